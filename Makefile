@@ -1,0 +1,31 @@
+# Two entry points, each creating .venv on first use:
+#   make run   - the main job (decode demo on the embedded default model)
+#   make test  - lint and the test suite
+PY := .venv/bin/python
+STAMP := .venv/.installed
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: the local CPU wheel; an unpinned torch would pull a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	.venv/bin/rsmem demo
+
+lint: $(STAMP)
+	.venv/bin/ruff check src tests bench scripts
+	.venv/bin/ruff format --check src tests bench scripts
+
+test: $(STAMP) lint
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/memory_bookkeeping.py
+
+clean:
+	rm -rf .venv .pytest_cache .ruff_cache .hypothesis

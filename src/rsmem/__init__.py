@@ -1,0 +1,32 @@
+"""rsmem: recurrent language models on a recurrent-state memory with llama.cpp's semantics."""
+
+from rsmem.batch import Batch, BatchAllocator, UBatch
+from rsmem.context import Context
+from rsmem.errors import (
+    InvalidBatchError,
+    ModelFormatError,
+    NoSlotError,
+    RsmemError,
+    StateFormatError,
+    UnknownSequenceError,
+)
+from rsmem.memory import MemoryStatus, RecurrentMemory, RecurrentMemoryContext, StateShape
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch",
+    "BatchAllocator",
+    "Context",
+    "InvalidBatchError",
+    "MemoryStatus",
+    "ModelFormatError",
+    "NoSlotError",
+    "RecurrentMemory",
+    "RecurrentMemoryContext",
+    "RsmemError",
+    "StateFormatError",
+    "StateShape",
+    "UBatch",
+    "UnknownSequenceError",
+]

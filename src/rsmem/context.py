@@ -1,0 +1,155 @@
+"""``Context``: a model, its recurrent memory, and the decode flow that ties them (llama.cpp's
+``llama_context`` for recurrent models).
+
+``decode(batch)``: the allocator validates and fills the batch, the memory plans its micro-batches in a
+dry run, then each micro-batch is placed (``apply``) and run through the model; the logits of the
+batch's output tokens are kept for ``get_logits``. An invalid batch raises ``InvalidBatchError`` and a
+batch the memory cannot place raises ``NoSlotError``; in both cases nothing has changed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rsmem.batch.allocator import BatchAllocator
+from rsmem.batch.batch import Batch
+from rsmem.errors import InvalidBatchError, NoSlotError
+from rsmem.memory import state_io
+from rsmem.memory.context import MemoryStatus
+from rsmem.memory.recurrent import RecurrentMemory, StateShape
+from rsmem.models.protocol import RecurrentModel
+
+
+class Context:
+    """Runs batches of one model over a recurrent memory of ``n_seq_max`` sequences."""
+
+    def __init__(
+        self,
+        model: RecurrentModel,
+        *,
+        n_seq_max: int = 1,
+        n_batch: int = 2048,
+        n_ubatch: int = 512,
+        state_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if n_batch < 1 or n_ubatch < 1:
+            raise ValueError(f"n_batch and n_ubatch must be positive, got {n_batch} and {n_ubatch}")
+        self.model = model
+        self.n_batch = n_batch
+        self.n_ubatch = min(n_ubatch, n_batch)
+        self.memory = RecurrentMemory(
+            StateShape(model.n_layer, model.n_embd_r, model.n_embd_s),
+            n_seq_max,
+            dtype=state_dtype,
+            device=device,
+            layer_filter=model.is_recurrent_layer,
+        )
+        self._balloc = BatchAllocator()
+        self._logits = torch.empty(0, model.n_vocab)
+        self._output_row: dict[int, int] = {}  # batch index -> row of _logits
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.memory.n_seq_max
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.n_vocab
+
+    # ---------------------------------------------------------------- decode
+
+    def decode(self, batch: Batch) -> None:
+        """Fold the batch's tokens into their sequences' states and compute the requested logits."""
+        balloc = self._balloc
+        balloc.init(batch, n_vocab=self.n_vocab, n_seq_max=self.n_seq_max, memory=self.memory)
+        if balloc.n_tokens > self.n_batch:
+            raise InvalidBatchError(f"batch has {balloc.n_tokens} tokens, more than n_batch = {self.n_batch}")
+        mctx = self.memory.init_batch(balloc, self.n_ubatch)
+        if mctx.status is not MemoryStatus.SUCCESS:
+            raise NoSlotError(f"no memory slot for a batch of {balloc.n_tokens} tokens")
+
+        out_indices = [i for i, out in enumerate(balloc.outputs) if out]
+        output_row = {b: k for k, b in enumerate(out_indices)}
+        logits = torch.empty(len(out_indices), self.n_vocab, dtype=torch.float32)
+        try:
+            with torch.inference_mode():
+                while True:
+                    mctx.apply()
+                    ub = mctx.ubatch
+                    ub_logits = self.model.forward(ub, mctx)
+                    rows = [output_row[ub.batch_index[i]] for i in ub.output_rows()]
+                    if rows:
+                        logits[rows] = ub_logits
+                    if not mctx.next():
+                        break
+        except BaseException:
+            # Some states may be half-written: drop the batch's sequences rather than keep bad state.
+            for seq in balloc.seq_pos_min_in_batch():
+                self.memory.seq_rm(seq, -1, -1)
+            raise
+        self._logits = logits
+        self._output_row = output_row
+
+    # ---------------------------------------------------------------- logits
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """Logits of the last decode's output tokens, in batch order: ``[n_outputs, n_vocab]``."""
+        return self._logits
+
+    def get_logits(self, i: int) -> torch.Tensor:
+        """Logits of batch token ``i`` (``llama_get_logits_ith``); negative ``i`` counts back over outputs."""
+        n_out = self._logits.shape[0]
+        if i < 0:
+            if -i > n_out:
+                raise IndexError(f"output {i} does not exist: the last decode produced {n_out} outputs")
+            return self._logits[n_out + i]
+        row = self._output_row.get(i)
+        if row is None:
+            raise IndexError(f"token {i} of the last batch was not marked for output")
+        return self._logits[row]
+
+    # --------------------------------------------------------- state saving
+
+    def state_seq_get_data(self, seq_id: int) -> bytes:
+        """One sequence's state as bytes (``llama_state_seq_get_data``)."""
+        return state_io.seq_blob(self.memory, seq_id)
+
+    def state_seq_get_size(self, seq_id: int) -> int:
+        return len(self.state_seq_get_data(seq_id))
+
+    def state_seq_set_data(self, data: bytes, dest_seq_id: int) -> int:
+        """Restore a sequence blob into ``dest_seq_id``; returns bytes read. Raises StateFormatError."""
+        return state_io.load_seq_blob(self.memory, data, dest_seq_id)
+
+    def state_seq_save_file(self, path: str | os.PathLike[str], seq_id: int, tokens: list[int]) -> int:
+        """Write a 'ggsq' sequence file (atomically); returns the bytes written."""
+        return state_io.atomic_write(path, state_io.seq_file_bytes(self.memory, seq_id, list(tokens)))
+
+    def state_seq_load_file(self, path: str | os.PathLike[str], dest_seq_id: int) -> list[int]:
+        """Restore a 'ggsq' sequence file into ``dest_seq_id``; returns the tokens saved with it."""
+        with open(path, "rb") as f:
+            data = f.read()
+        return state_io.load_seq_file_bytes(self.memory, data, dest_seq_id)
+
+    def state_get_data(self) -> bytes:
+        """The whole context's state (every sequence) as bytes."""
+        return state_io.context_state_bytes(self.memory, self.model.arch)
+
+    def state_set_data(self, data: bytes) -> int:
+        reader = state_io.Reader(data)
+        state_io.load_context_state(self.memory, reader, self.model.arch)
+        return reader.offset
+
+    def state_save_file(self, path: str | os.PathLike[str], tokens: list[int]) -> int:
+        """Write a 'ggsn' session file with every sequence's state (atomically)."""
+        data = state_io.session_file_bytes(self.memory, self.model.arch, list(tokens))
+        return state_io.atomic_write(path, data)
+
+    def state_load_file(self, path: str | os.PathLike[str]) -> list[int]:
+        with open(path, "rb") as f:
+            data = f.read()
+        return state_io.load_session_file_bytes(self.memory, data, self.model.arch)

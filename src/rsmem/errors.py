@@ -1,0 +1,32 @@
+"""Exceptions raised by rsmem.
+
+Each failure mode has its own type so callers can react to it without parsing messages, and each
+message names the offending value. Every operation that raises one of these leaves the memory exactly
+as it was before the call.
+"""
+
+from __future__ import annotations
+
+
+class RsmemError(Exception):
+    """Base class of every error rsmem raises on purpose."""
+
+
+class InvalidBatchError(RsmemError, ValueError):
+    """A batch breaks one of the batch rules (llama.cpp's decode returns -1 for these)."""
+
+
+class NoSlotError(RsmemError):
+    """The memory has no room for the batch (llama.cpp's decode returns 1); nothing was changed."""
+
+
+class UnknownSequenceError(RsmemError, ValueError):
+    """A sequence id outside ``[0, n_seq_max)`` was given where one is required."""
+
+
+class StateFormatError(RsmemError, ValueError):
+    """Saved state bytes are truncated, corrupt, or do not fit this memory; nothing was changed."""
+
+
+class ModelFormatError(RsmemError, ValueError):
+    """A model file is malformed, of an unsupported architecture, or misses a tensor."""

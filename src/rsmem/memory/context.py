@@ -1,0 +1,130 @@
+"""The memory context: the plan for one batch (llama.cpp's ``llama_memory_recurrent_context``).
+
+``init_batch`` builds it after a successful dry run; the caller then loops ``apply()`` -> model forward
+-> ``next()``. It is also what a model forward receives: it exposes the placement of the current
+micro-batch (``head``, ``n_rs``, ``rs_z``, ``s_copy``) and gathers and scatters the state rows.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+import torch
+
+from rsmem.batch.batch import UBatch
+
+if TYPE_CHECKING:
+    from rsmem.memory.recurrent import RecurrentMemory
+
+
+class MemoryStatus(enum.Enum):
+    SUCCESS = 0
+    NO_UPDATE = 1
+    FAILED_PREPARE = 2
+    FAILED_COMPUTE = 3
+
+
+class RecurrentMemoryContext:
+    """Micro-batches planned for the memory, applied one at a time."""
+
+    def __init__(
+        self,
+        memory: RecurrentMemory,
+        ubatches: list[UBatch],
+        status: MemoryStatus,
+        *,
+        is_full: bool = False,
+    ) -> None:
+        self.memory = memory
+        self.ubatches = ubatches
+        self.status = status
+        self.is_full = is_full
+        self._i = 0
+        self._copy_index: torch.Tensor | None = None
+
+    # ------------------------------------------------------------ the plan
+
+    def next(self) -> bool:
+        """Move to the next micro-batch; False when there is none left."""
+        self._i += 1
+        self._copy_index = None
+        return self._i < len(self.ubatches)
+
+    def apply(self) -> bool:
+        """Place the current micro-batch in the memory (``find_slot``); its dry run already succeeded."""
+        if self.status is not MemoryStatus.SUCCESS:
+            raise RuntimeError(f"cannot apply a memory context with status {self.status.name}")
+        if not self.ubatches:
+            return True
+        self._copy_index = None
+        if not self.memory.find_slot(self.ubatches[self._i]):
+            raise RuntimeError("find_slot failed after a successful prepare (bookkeeping bug)")
+        return True
+
+    @property
+    def ubatch(self) -> UBatch:
+        return self.ubatches[self._i]
+
+    # ---------------------------------------------------- placement queries
+
+    @property
+    def head(self) -> int:
+        return 0 if self.is_full else self.memory.head
+
+    @property
+    def n_rs(self) -> int:
+        return self.memory.size if self.is_full else self.memory.n
+
+    @property
+    def rs_z(self) -> int:
+        return 0 if self.is_full else self.memory.rs_z
+
+    @property
+    def size(self) -> int:
+        return self.memory.size
+
+    def s_copy(self, i: int) -> int:
+        """Row that cell ``head + i`` reads its input state from."""
+        return self.memory.cells.src0[self.head + i]
+
+    def copy_index(self) -> torch.Tensor:
+        """``s_copy(i)`` for every ``i < n_rs``, as an index tensor (built once per micro-batch)."""
+        if self._copy_index is None:
+            idx = [self.s_copy(i) for i in range(self.n_rs)]
+            self._copy_index = torch.tensor(idx, dtype=torch.long, device=self.memory.device)
+        return self._copy_index
+
+    # -------------------------------------------------- state gather/scatter
+
+    def read_states(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input states of layer ``il`` for the micro-batch's sequences: ``[n_seqs, n_embd_r|s]``.
+
+        Performs the data movement ``find_slot`` staged: zeroes row ``rs_z`` (new sequences read it),
+        gathers each sequence's input row through ``s_copy``, and moves the rows of the other cells in
+        ``[head + n_seqs, head + n_rs)`` from their sources. Everything is read before anything is
+        written, so a source row that is also a destination is read intact.
+        """
+        r, s = self.memory.r_l[il], self.memory.s_l[il]
+        if r is None or s is None:
+            raise ValueError(f"layer {il} has no recurrent state in this memory")
+        n_seqs, head = self.ubatch.n_seqs, self.head
+        index = self.copy_index()
+        if self.rs_z >= 0:
+            r[self.rs_z].zero_()
+            s[self.rs_z].zero_()
+        r_in = r.index_select(0, index)
+        s_in = s.index_select(0, index)
+        if self.n_rs > n_seqs:
+            r[head + n_seqs : head + self.n_rs] = r_in[n_seqs:]
+            s[head + n_seqs : head + self.n_rs] = s_in[n_seqs:]
+        return r_in[:n_seqs], s_in[:n_seqs]
+
+    def write_states(self, il: int, r_out: torch.Tensor, s_out: torch.Tensor) -> None:
+        """Store the micro-batch's output states of layer ``il`` in rows ``[head, head + n_seqs)``."""
+        r, s = self.memory.r_l[il], self.memory.s_l[il]
+        if r is None or s is None:
+            raise ValueError(f"layer {il} has no recurrent state in this memory")
+        n_seqs, head = self.ubatch.n_seqs, self.head
+        r[head : head + n_seqs] = r_out.reshape(n_seqs, -1).to(r.dtype)
+        s[head : head + n_seqs] = s_out.reshape(n_seqs, -1).to(s.dtype)

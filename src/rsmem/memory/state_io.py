@@ -1,0 +1,330 @@
+"""Saving and restoring recurrent state, byte-compatible with llama.cpp.
+
+Layout of the recurrent payload (llama.cpp's ``state_write``), little-endian::
+
+    u32 cell_count
+    per cell: i32 pos, u32 n_seq_id, n_seq_id x i32 seq_id   (n_seq_id = 0 when one sequence is saved)
+    u32 s_trans (0), u32 n_layer (filtered layers included)
+    per layer with r: i32 ggml_type, u64 row_bytes, cell_count rows;  then the same for every s layer
+
+Around it: the in-memory sequence blob (magic 0xaf143cd8, source seq id), sequence files ('ggsq',
+version 3, tokens) and session files ('ggsn', version 9, tokens, arch name).
+
+Reading is two-phase: :func:`parse_payload` checks every field against the memory and decodes the rows
+without touching anything; only then :func:`restore_payload` changes the memory. A failure in either
+phase leaves the memory exactly as it was (llama.cpp clears the destination instead).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rsmem.batch.allocator import BatchAllocator
+from rsmem.errors import NoSlotError, StateFormatError
+from rsmem.memory.recurrent import RecurrentMemory
+
+GGML_TYPE_OF_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+DTYPE_OF_GGML_TYPE = {v: k for k, v in GGML_TYPE_OF_DTYPE.items()}
+GGML_TYPE_NAMES = {0: "F32", 1: "F16", 8: "Q8_0", 30: "BF16"}
+
+SEQ_BLOB_MAGIC = 0xAF143CD8
+SEQ_FILE_MAGIC = 0x67677371  # 'ggsq'
+SEQ_FILE_VERSION = 3  # what llama.cpp 0.3.36 writes; version 2 has the same layout
+SEQ_FILE_VERSIONS_READ = (2, 3)
+SESSION_MAGIC = 0x6767736E  # 'ggsn'
+SESSION_VERSION = 9
+
+
+class Reader:
+    """Bounds-checked little-endian reads; every shortfall names the field that was cut off."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self.data = memoryview(data)
+        self.offset = 0
+
+    def unpack(self, fmt: str, what: str) -> tuple:
+        size = struct.calcsize("<" + fmt)
+        if self.offset + size > len(self.data):
+            raise StateFormatError(
+                f"truncated: {what} needs {size} bytes at offset {self.offset}, "
+                f"only {len(self.data) - self.offset} left"
+            )
+        values = struct.unpack_from("<" + fmt, self.data, self.offset)
+        self.offset += size
+        return values
+
+    def u32(self, what: str) -> int:
+        return self.unpack("I", what)[0]
+
+    def i32(self, what: str) -> int:
+        return self.unpack("i", what)[0]
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.offset + n > len(self.data):
+            raise StateFormatError(
+                f"truncated: {what} needs {n} bytes at offset {self.offset}, "
+                f"only {len(self.data) - self.offset} left"
+            )
+        chunk = self.data[self.offset : self.offset + n]
+        self.offset += n
+        return chunk
+
+    def expect_end(self) -> None:
+        extra = len(self.data) - self.offset
+        if extra:
+            raise StateFormatError(f"{extra} unexpected bytes after the state at offset {self.offset}")
+
+
+@dataclass(slots=True)
+class Payload:
+    """A decoded, validated payload: cell metadata and per-layer rows in the memory's dtype."""
+
+    cells: list[tuple[int, tuple[int, ...]]]  # (pos, seq ids) per cell
+    r_rows: list[torch.Tensor | None]
+    s_rows: list[torch.Tensor | None]
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _rows_bytes(t: torch.Tensor, index: list[int]) -> bytes:
+    rows = t.index_select(0, torch.tensor(index, dtype=torch.long, device=t.device)).contiguous().cpu()
+    return rows.view(torch.uint8).numpy().tobytes()
+
+
+def write_payload(memory: RecurrentMemory, seq_id: int = -1) -> bytes:
+    """The payload of one sequence (``seq_id >= 0``) or of every non-empty cell (``-1``)."""
+    cells = memory.cells
+    if seq_id >= 0:
+        memory._require_seq(seq_id, "state write")
+        index = [cells.tail[seq_id]] if cells.tail[seq_id] >= 0 else []
+    else:
+        index = [c for c in range(memory.size) if cells.seqs[c]]
+    out = [struct.pack("<I", len(index))]
+    for c in index:
+        ids = sorted(cells.seqs[c]) if seq_id < 0 else []
+        out.append(struct.pack(f"<iI{len(ids)}i", cells.pos[c], len(ids), *ids))
+    out.append(struct.pack("<II", 0, memory.n_layer))
+    for tensors in (memory.r_l, memory.s_l):
+        for t in tensors:
+            if t is None:
+                continue
+            out.append(struct.pack("<iQ", GGML_TYPE_OF_DTYPE[t.dtype], t.shape[1] * t.element_size()))
+            if index:
+                out.append(_rows_bytes(t, index))
+    return b"".join(out)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _parse_rows(
+    reader: Reader, t: torch.Tensor, cell_count: int, kind: str, il: int
+) -> torch.Tensor:
+    type_id = reader.i32(f"{kind} type of layer {il}")
+    row_bytes = reader.unpack("Q", f"{kind} row size of layer {il}")[0]
+    dtype = DTYPE_OF_GGML_TYPE.get(type_id)
+    if dtype is None:
+        name = GGML_TYPE_NAMES.get(type_id, f"unknown type {type_id}")
+        raise StateFormatError(f"layer {il}: {kind} rows are {name}; only F32, F16 and BF16 states load")
+    n_embd = t.shape[1]
+    expected = n_embd * torch.finfo(dtype).bits // 8
+    if row_bytes != expected:
+        raise StateFormatError(
+            f"layer {il}: {kind} row size is {row_bytes} bytes, this model needs {expected} "
+            f"({n_embd} x {GGML_TYPE_NAMES[type_id]})"
+        )
+    raw = reader.take(cell_count * row_bytes, f"{kind} rows of layer {il}")
+    if cell_count == 0:
+        return torch.empty(0, n_embd, dtype=t.dtype)
+    rows = torch.frombuffer(bytearray(raw), dtype=dtype).view(cell_count, n_embd)
+    return rows.to(t.dtype)
+
+
+def parse_payload(reader: Reader, memory: RecurrentMemory, single_seq: bool) -> Payload:
+    """Decode and validate a payload against ``memory``; raises StateFormatError, changes nothing."""
+    cell_count = reader.u32("cell count")
+    if single_seq and cell_count > 1:
+        raise StateFormatError(f"a sequence's state has at most one cell, this one has {cell_count}")
+    if cell_count > memory.size:
+        raise StateFormatError(f"state has {cell_count} cells, the memory only {memory.size}")
+    cells: list[tuple[int, tuple[int, ...]]] = []
+    seen: dict[int, int] = {}
+    for i in range(cell_count):
+        pos, n_seq_id = reader.unpack("iI", f"cell {i} header")
+        if pos < 0:
+            raise StateFormatError(f"cell {i}: position {pos} is negative")
+        if single_seq and n_seq_id != 0:
+            raise StateFormatError(f"cell {i}: a sequence's state lists {n_seq_id} seq ids, expected 0")
+        if not single_seq and not 1 <= n_seq_id <= memory.size:
+            raise StateFormatError(f"cell {i}: {n_seq_id} seq ids, expected 1 to {memory.size}")
+        ids = reader.unpack(f"{n_seq_id}i", f"cell {i} seq ids") if n_seq_id else ()
+        for s in ids:
+            if not 0 <= s < memory.size:
+                raise StateFormatError(f"cell {i}: seq id {s} is outside [0, {memory.size})")
+            if s in seen:
+                raise StateFormatError(f"cell {i}: seq id {s} already has a tail in cell {seen[s]}")
+            seen[s] = i
+        cells.append((pos, tuple(ids)))
+    s_trans = reader.u32("s_trans flag")
+    if s_trans != 0:
+        raise StateFormatError(f"s_trans is {s_trans}; only untransposed states (0) exist for this memory")
+    n_layer = reader.u32("layer count")
+    if n_layer != memory.n_layer:
+        raise StateFormatError(f"state has {n_layer} layers, the model {memory.n_layer}")
+    r_rows = [
+        None if t is None else _parse_rows(reader, t, cell_count, "r", il) for il, t in enumerate(memory.r_l)
+    ]
+    s_rows = [
+        None if t is None else _parse_rows(reader, t, cell_count, "s", il) for il, t in enumerate(memory.s_l)
+    ]
+    return Payload(cells, r_rows, s_rows)
+
+
+def _write_rows(memory: RecurrentMemory, payload: Payload, first_cell: int) -> None:
+    n = len(payload.cells)
+    for dst, rows in ((memory.r_l, payload.r_rows), (memory.s_l, payload.s_rows)):
+        for t, src in zip(dst, rows):
+            if t is not None and src is not None:
+                t[first_cell : first_cell + n] = src.to(t.device)
+
+
+def restore_payload(memory: RecurrentMemory, payload: Payload, dest_seq: int) -> None:
+    """Install a parsed payload as ``dest_seq``'s state, or as the whole memory when ``dest_seq < 0``."""
+    if dest_seq < 0:
+        memory.clear(data=True)
+        cells = memory.cells
+        for c, (pos, ids) in enumerate(payload.cells):
+            cells.pos[c], cells.src[c], cells.seqs[c] = pos, c, set(ids)
+            for s in ids:
+                cells.tail[s] = c
+        memory.used = len(payload.cells)
+        _write_rows(memory, payload, 0)
+        return
+    memory._require_seq(dest_seq, "state restore")
+    saved = (memory.cells.copy(), memory.head, memory.used, memory.n, memory.rs_z)
+    try:
+        memory.seq_rm(dest_seq, -1, -1)
+        if not payload.cells:
+            return
+        pos = payload.cells[0][0]
+        ubatch = BatchAllocator.ubatch_reserve(1, 1, seq_id=dest_seq, pos=[pos])
+        if not memory.find_slot(ubatch):
+            raise NoSlotError(f"no free cell to restore sequence {dest_seq}")
+    except BaseException:
+        memory.cells, memory.head, memory.used, memory.n, memory.rs_z = saved
+        raise
+    _write_rows(memory, payload, memory.head)
+
+
+# ---------------------------------------------------------------- framing
+
+
+def seq_blob(memory: RecurrentMemory, seq_id: int) -> bytes:
+    """``llama_state_seq_get_data``: magic, source seq id, payload."""
+    return struct.pack("<Ii", SEQ_BLOB_MAGIC, seq_id) + write_payload(memory, seq_id)
+
+
+def load_seq_blob(memory: RecurrentMemory, data: bytes, dest_seq: int) -> int:
+    """``llama_state_seq_set_data``: restore a blob into ``dest_seq``; returns the bytes read."""
+    memory._require_seq(dest_seq, "state restore")
+    reader = Reader(data)
+    magic = reader.u32("blob magic")
+    if magic != SEQ_BLOB_MAGIC:
+        raise StateFormatError(f"blob magic is {magic:#010x}, expected {SEQ_BLOB_MAGIC:#010x}")
+    source = reader.i32("source seq id")
+    if source < 0:
+        raise StateFormatError(f"source seq id {source} is negative")
+    payload = parse_payload(reader, memory, single_seq=True)
+    reader.expect_end()
+    restore_payload(memory, payload, dest_seq)
+    return reader.offset
+
+
+def _tokens_header(magic: int, version: int, tokens: list[int]) -> bytes:
+    return struct.pack(f"<III{len(tokens)}i", magic, version, len(tokens), *tokens)
+
+
+def _read_tokens_header(reader: Reader, magic: int, versions: tuple[int, ...], kind: str) -> list[int]:
+    got = reader.u32(f"{kind} magic")
+    if got != magic:
+        raise StateFormatError(f"not a {kind}: magic is {got:#010x}, expected {magic:#010x}")
+    version = reader.u32(f"{kind} version")
+    if version not in versions:
+        raise StateFormatError(f"{kind} version {version} is not supported (reads {list(versions)})")
+    n_tokens = reader.u32("token count")
+    if n_tokens * 4 > len(reader.data) - reader.offset:
+        raise StateFormatError(f"truncated: {n_tokens} tokens do not fit in the {kind}")
+    return list(reader.unpack(f"{n_tokens}i", "tokens"))
+
+
+def seq_file_bytes(memory: RecurrentMemory, seq_id: int, tokens: list[int]) -> bytes:
+    """``llama_state_seq_save_file``'s bytes: 'ggsq', version, tokens, payload."""
+    return _tokens_header(SEQ_FILE_MAGIC, SEQ_FILE_VERSION, tokens) + write_payload(memory, seq_id)
+
+
+def load_seq_file_bytes(memory: RecurrentMemory, data: bytes, dest_seq: int) -> list[int]:
+    """Restore a sequence file's state into ``dest_seq``; returns its tokens."""
+    memory._require_seq(dest_seq, "state restore")
+    reader = Reader(data)
+    tokens = _read_tokens_header(reader, SEQ_FILE_MAGIC, SEQ_FILE_VERSIONS_READ, "sequence state file")
+    payload = parse_payload(reader, memory, single_seq=True)
+    reader.expect_end()
+    restore_payload(memory, payload, dest_seq)
+    return tokens
+
+
+def context_state_bytes(memory: RecurrentMemory, arch: str) -> bytes:
+    """Whole-context state data: arch name (u32 length + bytes), then every sequence's payload."""
+    name = arch.encode()
+    return struct.pack("<I", len(name)) + name + write_payload(memory, -1)
+
+
+def load_context_state(memory: RecurrentMemory, reader: Reader, arch: str) -> None:
+    """Restore whole-context state data written by :func:`context_state_bytes`."""
+    n = reader.u32("arch name length")
+    name = bytes(reader.take(n, "arch name")).decode(errors="replace")
+    if name != arch:
+        raise StateFormatError(f"state was saved by a {name!r} model, this one is {arch!r}")
+    payload = parse_payload(reader, memory, single_seq=False)
+    reader.expect_end()
+    restore_payload(memory, payload, -1)
+
+
+def session_file_bytes(memory: RecurrentMemory, arch: str, tokens: list[int]) -> bytes:
+    """``llama_state_save_file``'s bytes: 'ggsn', version 9, tokens, context state."""
+    return _tokens_header(SESSION_MAGIC, SESSION_VERSION, tokens) + context_state_bytes(memory, arch)
+
+
+def load_session_file_bytes(memory: RecurrentMemory, data: bytes, arch: str) -> list[int]:
+    reader = Reader(data)
+    tokens = _read_tokens_header(reader, SESSION_MAGIC, (SESSION_VERSION,), "session file")
+    load_context_state(memory, reader, arch)
+    return tokens
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes) -> int:
+    """Write ``data`` to ``path`` through a temporary file, fsync and rename: never a torn file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return len(data)
