@@ -10,9 +10,12 @@ from rsmem.errors import (
     StateFormatError,
     UnknownSequenceError,
 )
+from rsmem.loaders import convert_hf_to_gguf, load_model
 from rsmem.memory import MemoryStatus, RecurrentMemory, RecurrentMemoryContext, StateShape
 
 __version__ = "0.1.0"
+
+convert = convert_hf_to_gguf  # rsmem.convert(hf_dir, out_path, outtype)
 
 __all__ = [
     "Batch",
@@ -29,4 +32,7 @@ __all__ = [
     "StateShape",
     "UBatch",
     "UnknownSequenceError",
+    "convert",
+    "convert_hf_to_gguf",
+    "load_model",
 ]

@@ -77,9 +77,7 @@ class BatchAllocator:
         self.split_reset()
 
     @staticmethod
-    def _checked_seq_ids(
-        batch: Batch, n: int, n_seq_max: int, allow_coupled: bool
-    ) -> list[tuple[int, ...]]:
+    def _checked_seq_ids(batch: Batch, n: int, n_seq_max: int, allow_coupled: bool) -> list[tuple[int, ...]]:
         if batch.seq_ids is None:
             return [(0,)] * n
         if len(batch.seq_ids) != n:

@@ -42,6 +42,8 @@ class RecurrentMemoryContext:
         self.is_full = is_full
         self._i = 0
         self._copy_index: torch.Tensor | None = None
+        self._in_place = False  # every sequence already in its own row: no gather needed
+        self._zero_needed = False  # some cell reads the zero row rs_z
 
     # ------------------------------------------------------------ the plan
 
@@ -53,9 +55,9 @@ class RecurrentMemoryContext:
 
     def apply(self) -> bool:
         """Place the current micro-batch in the memory (``find_slot``); its dry run already succeeded."""
-        if self.status is not MemoryStatus.SUCCESS:
+        if self.status in (MemoryStatus.FAILED_PREPARE, MemoryStatus.FAILED_COMPUTE):
             raise RuntimeError(f"cannot apply a memory context with status {self.status.name}")
-        if not self.ubatches:
+        if not self.ubatches:  # an update (NO_UPDATE) or a full context: nothing to place
             return True
         self._copy_index = None
         if not self.memory.find_slot(self.ubatches[self._i]):
@@ -91,8 +93,11 @@ class RecurrentMemoryContext:
     def copy_index(self) -> torch.Tensor:
         """``s_copy(i)`` for every ``i < n_rs``, as an index tensor (built once per micro-batch)."""
         if self._copy_index is None:
-            idx = [self.s_copy(i) for i in range(self.n_rs)]
-            self._copy_index = torch.tensor(idx, dtype=torch.long, device=self.memory.device)
+            src0 = [self.s_copy(i) for i in range(self.n_rs)]
+            head, n_seqs = self.head, self.ubatch.n_seqs if self.ubatches else self.n_rs
+            self._in_place = self.n_rs == n_seqs and src0 == list(range(head, head + n_seqs))
+            self._zero_needed = self.rs_z >= 0 and self.rs_z in src0
+            self._copy_index = torch.tensor(src0, dtype=torch.long, device=self.memory.device)
         return self._copy_index
 
     # -------------------------------------------------- state gather/scatter
@@ -100,19 +105,23 @@ class RecurrentMemoryContext:
     def read_states(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Input states of layer ``il`` for the micro-batch's sequences: ``[n_seqs, n_embd_r|s]``.
 
-        Performs the data movement ``find_slot`` staged: zeroes row ``rs_z`` (new sequences read it),
-        gathers each sequence's input row through ``s_copy``, and moves the rows of the other cells in
-        ``[head + n_seqs, head + n_rs)`` from their sources. Everything is read before anything is
+        Performs the data movement ``find_slot`` staged: zeroes row ``rs_z`` when a new sequence reads
+        it, gathers each sequence's input row through ``s_copy``, and moves the rows of the other cells
+        in ``[head + n_seqs, head + n_rs)`` from their sources. Everything is read before anything is
         written, so a source row that is also a destination is read intact.
+
+        In the common decode case every sequence already sits in its own row (``s_copy(i) == head+i``):
+        then no copy is made and the result is a view of the memory's rows. A model may update such
+        a view in place; it must not read the inputs again after ``write_states``.
         """
-        r, s = self.memory.r_l[il], self.memory.s_l[il]
-        if r is None or s is None:
-            raise ValueError(f"layer {il} has no recurrent state in this memory")
+        r, s = self._layer(il)
         n_seqs, head = self.ubatch.n_seqs, self.head
         index = self.copy_index()
-        if self.rs_z >= 0:
+        if self._zero_needed:
             r[self.rs_z].zero_()
             s[self.rs_z].zero_()
+        if self._in_place:
+            return r[head : head + n_seqs], s[head : head + n_seqs]
         r_in = r.index_select(0, index)
         s_in = s.index_select(0, index)
         if self.n_rs > n_seqs:
@@ -120,11 +129,20 @@ class RecurrentMemoryContext:
             s[head + n_seqs : head + self.n_rs] = s_in[n_seqs:]
         return r_in[:n_seqs], s_in[:n_seqs]
 
-    def write_states(self, il: int, r_out: torch.Tensor, s_out: torch.Tensor) -> None:
-        """Store the micro-batch's output states of layer ``il`` in rows ``[head, head + n_seqs)``."""
+    def _layer(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
         r, s = self.memory.r_l[il], self.memory.s_l[il]
         if r is None or s is None:
             raise ValueError(f"layer {il} has no recurrent state in this memory")
+        return r, s
+
+    def write_states(self, il: int, r_out: torch.Tensor, s_out: torch.Tensor) -> None:
+        """Store the micro-batch's output states of layer ``il`` in rows ``[head, head + n_seqs)``.
+
+        Outputs that already are those rows (a model that updated the views of ``read_states`` in
+        place) are left alone.
+        """
+        r, s = self._layer(il)
         n_seqs, head = self.ubatch.n_seqs, self.head
-        r[head : head + n_seqs] = r_out.reshape(n_seqs, -1).to(r.dtype)
-        s[head : head + n_seqs] = s_out.reshape(n_seqs, -1).to(s.dtype)
+        for dst, out in ((r[head : head + n_seqs], r_out), (s[head : head + n_seqs], s_out)):
+            if out.data_ptr() != dst.data_ptr() or out.dtype != dst.dtype:
+                dst.copy_(out.reshape(dst.shape))

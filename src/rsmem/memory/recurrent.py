@@ -357,5 +357,7 @@ class RecurrentMemory:
             if cells.seqs[c]:
                 assert cells.pos[c] >= 0, f"cell {c} is used but has pos {cells.pos[c]}"
         for s in range(self.size):
-            assert cells.tail[s] == owner.get(s, -1), f"tail of seq {s} is {cells.tail[s]}, not {owner.get(s, -1)}"
+            assert cells.tail[s] == owner.get(s, -1), (
+                f"tail of seq {s} is {cells.tail[s]}, not {owner.get(s, -1)}"
+            )
         assert self.used == cells.n_used(), f"used is {self.used}, {cells.n_used()} cells are in use"

@@ -124,9 +124,7 @@ def write_payload(memory: RecurrentMemory, seq_id: int = -1) -> bytes:
 # ---------------------------------------------------------------- reading
 
 
-def _parse_rows(
-    reader: Reader, t: torch.Tensor, cell_count: int, kind: str, il: int
-) -> torch.Tensor:
+def _parse_rows(reader: Reader, t: torch.Tensor, cell_count: int, kind: str, il: int) -> torch.Tensor:
     type_id = reader.i32(f"{kind} type of layer {il}")
     row_bytes = reader.unpack("Q", f"{kind} row size of layer {il}")[0]
     dtype = DTYPE_OF_GGML_TYPE.get(type_id)

@@ -1,0 +1,70 @@
+"""Load Mamba / Mamba-2 models from GGUF files or HF folders, and convert HF folders to GGUF."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from rsmem.errors import ModelFormatError
+from rsmem.loaders.checkpoint import Checkpoint, build_model
+from rsmem.loaders.convert import convert_hf_to_gguf
+from rsmem.loaders.gguf import is_gguf, read_gguf
+from rsmem.loaders.hf import is_hf_folder, read_hf
+from rsmem.loaders.tokenizer import TokenizerData, build_tokenizer
+from rsmem.models.mamba import MambaModel
+from rsmem.models.mamba2 import Mamba2Model
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """A GGUF file or an HF folder (a ``config.json`` inside it) in llama.cpp's tensor form."""
+    p = Path(path)
+    if is_hf_folder(p):
+        return read_hf(p)
+    if p.is_dir():
+        raise ModelFormatError(f"{p}: a folder without config.json is not a model")
+    if not p.exists():
+        raise ModelFormatError(f"{p}: no such model file")
+    if p.name == "config.json":
+        return read_hf(p.parent)
+    return read_gguf(p)
+
+
+def load_model(
+    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, n_threads: int | None = None
+) -> MambaModel | Mamba2Model:
+    """Load a model; ``model.tokenizer`` is its ``tokenizers.Tokenizer`` when the file carries one.
+
+    ``dtype`` is the matrices' compute dtype (float32 or bfloat16); ``n_threads`` sets torch's intra-op
+    thread count (process-wide), left alone when None.
+    """
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    if n_threads is not None:
+        torch.set_num_threads(n_threads)
+    ckpt = read_checkpoint(path)
+    model = build_model(ckpt, dtype)
+    if ckpt.tokenizer is not None:
+        model.tokenizer = build_tokenizer(ckpt.tokenizer)
+    return model
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer | None:
+    """The tokenizer stored with a model, or None."""
+    data = read_checkpoint(path).tokenizer
+    return None if data is None else build_tokenizer(data)
+
+
+__all__ = [
+    "Checkpoint",
+    "TokenizerData",
+    "build_model",
+    "build_tokenizer",
+    "convert_hf_to_gguf",
+    "is_gguf",
+    "load_model",
+    "load_tokenizer",
+    "read_checkpoint",
+]

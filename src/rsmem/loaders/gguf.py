@@ -1,0 +1,99 @@
+"""Read Mamba / Mamba-2 GGUF files as llama.cpp's converter writes them (F32, F16, BF16, Q8_0 tensors)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from rsmem.errors import ModelFormatError
+from rsmem.loaders.checkpoint import SUPPORTED_ARCHS, Checkpoint, tensor_name
+from rsmem.loaders.tokenizer import tokenizer_data_from_gguf
+from rsmem.models.mamba import MambaConfig
+from rsmem.models.mamba2 import Mamba2Config
+
+SUPPORTED_TYPES = {
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+    gguf.GGMLQuantizationType.Q8_0,
+}
+
+
+def is_gguf(path: str | os.PathLike[str]) -> bool:
+    """True when the file starts with the GGUF magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
+    """Parse the file into a :class:`Checkpoint`; ModelFormatError names whatever is wrong with it."""
+    path = Path(path)
+    if not is_gguf(path):
+        raise ModelFormatError(f"{path}: not a GGUF file (bad magic)")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises many types on truncated or corrupt files
+        raise ModelFormatError(f"{path}: unreadable GGUF file ({type(exc).__name__}: {exc})") from exc
+    arch = _value(reader, "general.architecture", path)
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelFormatError(f"{path}: unsupported architecture {arch!r} (supported: {SUPPORTED_ARCHS})")
+    tensors = {t.name: _dequantize(t, path) for t in reader.tensors}
+    emb = tensors.get(tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD))
+    if emb is None:
+        raise ModelFormatError(f"{path}: missing tensor 'token_embd.weight'")
+    config = _config(reader, str(arch), emb.shape[0], path)
+    return Checkpoint(
+        arch=str(arch),
+        config=config,
+        tensors=tensors,
+        tokenizer=tokenizer_data_from_gguf(reader),
+        source=str(path),
+    )
+
+
+def _value(reader: gguf.GGUFReader, key: str, path: Path) -> object:
+    field = reader.fields.get(key)
+    if field is None:
+        raise ModelFormatError(f"{path}: missing metadata key {key!r}")
+    return field.contents()
+
+
+def _config(reader: gguf.GGUFReader, arch: str, n_vocab: int, path: Path) -> MambaConfig | Mamba2Config:
+    def key(k: str) -> int:
+        return int(_value(reader, f"{arch}.{k}", path))  # type: ignore[arg-type]
+
+    common = {
+        "d_model": key("embedding_length"),
+        "n_layer": key("block_count"),
+        "n_vocab": n_vocab,
+        "d_state": key("ssm.state_size"),
+        "d_conv": key("ssm.conv_kernel"),
+        "d_inner": key("ssm.inner_size"),
+        "eps": float(_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),  # type: ignore[arg-type]
+    }
+    try:
+        if arch == "mamba":
+            return MambaConfig(**common, dt_rank=key("ssm.time_step_rank"))
+        return Mamba2Config(**common, n_head=key("ssm.time_step_rank"), n_group=key("ssm.group_count"))
+    except ValueError as exc:
+        raise ModelFormatError(f"{path}: inconsistent hyperparameters ({exc})") from exc
+
+
+def _dequantize(t: gguf.ReaderTensor, path: Path) -> torch.Tensor:
+    """The tensor as float32 in numpy order (ggml's shape reversed: a Linear weight reads ``[out, in]``)."""
+    if t.tensor_type not in SUPPORTED_TYPES:
+        raise ModelFormatError(f"{path}: tensor {t.name!r} has unsupported type {t.tensor_type.name}")
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    try:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+    except Exception as exc:  # a truncated file yields short tensor data
+        raise ModelFormatError(f"{path}: tensor {t.name!r} is truncated or corrupt ({exc})") from exc
+    return torch.from_numpy(arr.copy())

@@ -1,0 +1,154 @@
+"""Mamba-2 (Dao & Gu 2024) on rsmem's recurrent memory, with llama.cpp's state rows.
+
+Per layer: ``in_proj`` gives ``z``, ``xBC`` and ``dt``; ``xBC`` goes through the causal conv and SiLU, the SSD
+scan runs per head, and the output is gated by ``z`` and RMS-normalised per group before ``out_proj``.
+States per sequence: ``r`` = the conv window of the ``xBC`` channels ``[conv_dim, d_conv-1]``, ``s`` = the
+SSM state ``[n_head, head_dim, d_state]`` (ggml ``[d_conv-1, conv_dim]`` and ``[d_state, head_dim, n_head]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rsmem.batch.batch import UBatch
+from rsmem.models.ops.common import linear, output_rows
+from rsmem.models.ops.conv import causal_conv1d
+from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
+from rsmem.models.ops.ssd import ssd_chunked
+from rsmem.models.protocol import StateAccess
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba2Config:
+    """Hyperparameters; ``d_inner`` 0 means ``2 * d_model``, ``n_head`` 0 means ``d_inner / 64``."""
+
+    d_model: int
+    n_layer: int
+    n_vocab: int
+    d_state: int = 128
+    d_conv: int = 4
+    d_inner: int = 0
+    n_head: int = 0
+    n_group: int = 1
+    eps: float = 1e-5
+    chunk_size: int = 64  # SSD chunk length for prefill
+
+    def __post_init__(self) -> None:
+        if self.d_inner == 0:
+            object.__setattr__(self, "d_inner", 2 * self.d_model)
+        if self.n_head == 0:
+            object.__setattr__(self, "n_head", self.d_inner // 64)
+        if self.n_head < 1 or self.d_inner % self.n_head or self.n_head % self.n_group:
+            raise ValueError(f"d_inner must split into heads and heads into groups: {self}")
+        if self.d_inner % self.n_group:
+            raise ValueError(f"d_inner must split into n_group norm groups: {self}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_inner // self.n_head
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of ``xBC``: ``x``, then ``B`` and ``C`` for each group."""
+        return self.d_inner + 2 * self.n_group * self.d_state
+
+
+@dataclass(slots=True)
+class Mamba2Layer:
+    norm: torch.Tensor  # [d_model]
+    in_proj: torch.Tensor  # [d_inner + conv_dim + n_head, d_model]: z, xBC, dt
+    conv_weight: torch.Tensor  # [conv_dim, d_conv]
+    conv_bias: torch.Tensor  # [conv_dim]
+    dt_bias: torch.Tensor  # [n_head]
+    A: torch.Tensor  # [n_head], -exp(A_log)
+    D: torch.Tensor  # [n_head]
+    ssm_norm: torch.Tensor  # [d_inner]
+    out_proj: torch.Tensor  # [d_model, d_inner]
+
+
+@dataclass(slots=True)
+class Mamba2Weights:
+    embedding: torch.Tensor  # [n_vocab, d_model]
+    layers: list[Mamba2Layer]
+    norm_f: torch.Tensor
+    lm_head: torch.Tensor  # the embedding itself when tied
+
+
+MATRICES = ("in_proj", "out_proj")
+
+
+class Mamba2Model:
+    """A Mamba-2 language model implementing :class:`~rsmem.models.protocol.RecurrentModel`."""
+
+    arch = "mamba2"
+
+    def __init__(self, config: Mamba2Config, weights: Mamba2Weights, *, dtype: torch.dtype = torch.float32):
+        self.config = config
+        self.dtype = dtype
+        self.n_vocab = config.n_vocab
+        self.n_layer = config.n_layer
+        self.n_embd_r = (config.d_conv - 1) * config.conv_dim
+        self.n_embd_s = config.d_state * config.d_inner
+        self.tokenizer = None
+        f32 = torch.float32
+        self.embedding = weights.embedding.to(f32)
+        self.norm_f = weights.norm_f.to(f32)
+        tied = weights.lm_head is weights.embedding
+        self.lm_head = self.embedding.to(dtype) if tied else weights.lm_head.to(dtype)
+        self.layers = [
+            Mamba2Layer(
+                **{
+                    name: getattr(layer, name).to(dtype if name in MATRICES else f32).contiguous()
+                    for name in Mamba2Layer.__slots__
+                }
+            )
+            for layer in weights.layers
+        ]
+
+    def is_recurrent_layer(self, il: int) -> bool:
+        return True
+
+    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
+        cfg = self.config
+        tokens = ubatch.token_tensor()  # [Bs, L]
+        n_seqs = tokens.shape[0]
+        x = self.embedding[tokens]  # [Bs, L, d_model]
+        for il, layer in enumerate(self.layers):
+            r, s = states.read_states(il)
+            window = r.view(n_seqs, cfg.conv_dim, cfg.d_conv - 1).float()
+            h = s.view(n_seqs, cfg.n_head, cfg.head_dim, cfg.d_state).float()
+            out, window, h = self.mixer(layer, rms_norm(x, layer.norm, cfg.eps), window, h)
+            states.write_states(il, window, h)
+            x = x + out
+        x = output_rows(x, ubatch.output_rows())
+        return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head).float()
+
+    def mixer(
+        self, layer: Mamba2Layer, u: torch.Tensor, window: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The SSD block over ``u`` ``[Bs, L, d_model]``; returns ``(out, window, h)``."""
+        cfg = self.config
+        n_seqs, n_tokens, _ = u.shape
+        z, xBC, dt = linear(u, layer.in_proj).split([cfg.d_inner, cfg.conv_dim, cfg.n_head], dim=-1)
+        xBC, window = causal_conv1d(xBC, window, layer.conv_weight, layer.conv_bias)
+        xBC = F.silu(xBC)
+        gn = cfg.n_group * cfg.d_state
+        x, B, C = xBC.split([cfg.d_inner, gn, gn], dim=-1)
+        dt = F.softplus(dt + layer.dt_bias)
+        y, h = ssd_chunked(
+            x.reshape(n_seqs, n_tokens, cfg.n_head, cfg.head_dim),
+            dt,
+            layer.A,
+            B.reshape(n_seqs, n_tokens, cfg.n_group, cfg.d_state),
+            C.reshape(n_seqs, n_tokens, cfg.n_group, cfg.d_state),
+            layer.D,
+            h,
+            chunk_size=cfg.chunk_size,
+        )
+        y = gated_group_rms_norm(
+            y.reshape(n_seqs, n_tokens, cfg.d_inner), z, layer.ssm_norm, cfg.n_group, cfg.eps
+        )
+        return linear(y, layer.out_proj), window, h

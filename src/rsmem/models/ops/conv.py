@@ -1,0 +1,43 @@
+"""Causal depthwise convolution over a rolling window (the ``r`` state).
+
+The window holds the last ``K - 1`` inputs of each channel, oldest first: torch ``[Bs, C, K-1]``, which is
+llama.cpp's ggml ``[K-1, C]`` row (fastest index first). transformers keeps ``K`` columns; llama.cpp and
+rsmem keep ``K - 1`` because the newest column is always the current token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d(
+    x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Convolve ``x`` ``[Bs, L, C]`` after ``window`` ``[Bs, C, K-1]``; returns ``(y [Bs, L, C], window)``.
+
+    ``weight`` is ``[C, K]`` (column ``K-1`` multiplies the current token). No activation is applied.
+    """
+    n_tokens = x.shape[1]
+    xx = torch.cat([window, x.transpose(1, 2)], dim=2)  # [Bs, C, K-1+L]
+    new_window = xx[:, :, n_tokens:].contiguous()
+    if n_tokens == 1:  # decode: one dot product per channel, no conv setup
+        y = torch.einsum("bck,ck->bc", xx, weight)
+        if bias is not None:
+            y = y + bias
+        return y.unsqueeze(1), new_window
+    y = F.conv1d(xx, weight.unsqueeze(1), bias, groups=weight.shape[0])  # [Bs, C, L]
+    return y.transpose(1, 2), new_window
+
+
+def causal_conv1d_ref(
+    x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token twin of :func:`causal_conv1d`: shift the window, dot it with the kernel."""
+    outs = []
+    for t in range(x.shape[1]):
+        full = torch.cat([window, x[:, t, :, None]], dim=2)  # [Bs, C, K]
+        y = (full * weight).sum(-1)
+        outs.append(y + bias if bias is not None else y)
+        window = full[:, :, 1:]
+    return torch.stack(outs, dim=1), window

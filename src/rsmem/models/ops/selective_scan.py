@@ -1,0 +1,103 @@
+"""Mamba-1's selective scan: ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t``, ``y_t = C_t . h_t + D x_t``.
+
+Shapes: ``x``, ``dt`` ``[Bs, L, D]`` (``dt`` after softplus), ``A`` ``[D, N]`` (``-exp(A_log)``), ``B``, ``C``
+``[Bs, L, N]``, ``D`` ``[D]``, state ``h`` ``[Bs, D, N]`` (llama.cpp's ggml ``[N, D]`` row). Every ``(d, n)``
+pair decays at its own rate, so unlike Mamba-2 there is no matrix form; the chunked scan below replaces the
+per-token loop with cumulative sums inside chunks, in log space.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+# Inside a chunk the scan divides by exp(E_t), the decay accumulated since the chunk's first
+# token;# chunks end before that decay passes exp(-60), far from float32's limit (exp(88)), so nothing overflows.
+MAX_LOG_DECAY = 60.0
+
+
+def selective_state_step(
+    h: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for every sequence: ``x``, ``dt`` ``[Bs, D]``, ``B``, ``C`` ``[Bs, N]``; returns ``(y, h)``."""
+    dA = torch.exp(dt.unsqueeze(-1) * A)  # [Bs, D, N]
+    h = torch.addcmul(h * dA, (dt * x).unsqueeze(-1), B.unsqueeze(1))
+    y = torch.bmm(h, C.unsqueeze(-1)).squeeze(-1)
+    return torch.addcmul(y, D, x), h
+
+
+def selective_scan_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token twin of :func:`selective_scan` (the recurrence as written in the paper)."""
+    ys = []
+    for t in range(x.shape[1]):
+        y, h = selective_state_step(h, x[:, t], dt[:, t], A, B[:, t], C[:, t], D)
+        ys.append(y)
+    return torch.stack(ys, dim=1), h
+
+
+def chunk_bounds(max_decay: list[float], max_chunk: int, max_log_decay: float = MAX_LOG_DECAY) -> list[int]:
+    """Chunk starts (plus the end) such that no chunk accumulates more than ``max_log_decay`` of decay
+    after its first token. ``max_decay[t]`` bounds ``-dt_t * A`` over all channels of token ``t``."""
+    bounds = [0]
+    acc, start = 0.0, 0
+    for t in range(1, len(max_decay)):
+        if t - start >= max_chunk or acc + max_decay[t] > max_log_decay:
+            bounds.append(t)
+            acc, start = 0.0, t
+        else:
+            acc += max_decay[t]
+    bounds.append(len(max_decay))
+    return bounds
+
+
+def selective_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+    *,
+    max_chunk: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked scan over ``L`` tokens; returns ``(y [Bs, L, D], h after the last token)``.
+
+    In a chunk starting at token 0, with ``a_t = dt_t * A`` and ``E_t = a_1 + ... + a_t`` (``E_0 = 0``):
+    ``h_t = exp(E_t) * (exp(a_0) * h_in + sum_{k<=t} exp(-E_k) * dt_k x_k B_k)`` -- one cumulative sum
+    instead of ``t`` dependent steps. Chunk lengths adapt so ``-E`` stays below ``MAX_LOG_DECAY``.
+    """
+    n_tokens = x.shape[1]
+    if n_tokens == 1:
+        y, h = selective_state_step(h, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+        return y.unsqueeze(1), h
+    max_decay = (dt * (-A).amax(-1)).amax(dim=(0, 2)).tolist()  # [L]
+    bounds = chunk_bounds(max_decay, max_chunk)
+    dtx = dt * x
+    y = torch.empty_like(x)
+    for i, j in itertools.pairwise(bounds):
+        a = dt[:, i:j, :, None] * A  # [Bs, T, D, N]
+        a0 = a[:, :1]
+        E = torch.cumsum(a, dim=1).sub_(a0)
+        eE = torch.exp_(E)
+        u = dtx[:, i:j, :, None] * B[:, i:j, None, :]  # [Bs, T, D, N]
+        S = torch.cumsum(u.div_(eE), dim=1)
+        S.add_(h.unsqueeze(1) * torch.exp(a0)).mul_(eE)  # h_t for every t of the chunk
+        y[:, i:j] = torch.matmul(S, C[:, i:j, :, None]).squeeze(-1)
+        h = S[:, -1]
+    return torch.addcmul(y, D, x), h.contiguous()

@@ -1,0 +1,112 @@
+"""Mamba-2's scan (SSD): one scalar decay per head, so a chunk's outputs are a masked matrix product.
+
+Shapes: ``x`` ``[Bs, L, H, P]``, ``dt`` ``[Bs, L, H]`` (after softplus), ``A`` ``[H]`` (``-exp(A_log)``),
+``B``, ``C`` ``[Bs, L, G, N]`` (head ``h`` uses group ``h // (H // G)``), ``D`` ``[H]``, state ``h``
+``[Bs, H, P, N]`` (llama.cpp's ggml ``[N, P, H]`` row).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def ssd_state_step(
+    h: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for every sequence: ``x`` ``[Bs, H, P]``, ``dt`` ``[Bs, H]``, ``B``, ``C`` ``[Bs, G, N]``."""
+    n_seqs, n_head, head_dim = x.shape
+    n_group, d_state = B.shape[1], B.shape[2]
+    rep = n_head // n_group
+    dA = torch.exp(dt * A)  # [Bs, H]
+    xdt = (x * dt.unsqueeze(-1)).view(n_seqs, n_group, rep * head_dim, 1)
+    dBx = (xdt * B.unsqueeze(2)).view(n_seqs, n_head, head_dim, d_state)
+    h = torch.addcmul(dBx, h, dA[:, :, None, None])
+    hg = h.view(n_seqs, n_group, rep * head_dim, d_state)
+    y = torch.matmul(hg, C.unsqueeze(-1)).view(n_seqs, n_head, head_dim)
+    return torch.addcmul(y, x, D.unsqueeze(-1)), h
+
+
+def ssd_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token twin of :func:`ssd_chunked`."""
+    ys = []
+    for t in range(x.shape[1]):
+        y, h = ssd_state_step(h, x[:, t], dt[:, t], A, B[:, t], C[:, t], D)
+        ys.append(y)
+    return torch.stack(ys, dim=1), h
+
+
+def ssd_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD chunked algorithm (Dao & Gu 2024, listing 1) with an input state; returns ``(y, h)``.
+
+    Inside a chunk, outputs are ``(C B^T o L) (x dt)`` with ``L[l, s] = exp(sum_{s<k<=l} dt_k A)``; chunk
+    boundary states are carried by a short loop over chunks (``L / chunk_size`` steps, not ``L``).
+    """
+    n_seqs, n_tokens, n_head, head_dim = x.shape
+    n_group, d_state = B.shape[2], B.shape[3]
+    rep = n_head // n_group
+    if n_tokens == 1:
+        y, h = ssd_state_step(h, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+        return y.unsqueeze(1), h
+    q = min(chunk_size, n_tokens)
+    pad = (-n_tokens) % q
+    nc = (n_tokens + pad) // q
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [Bs, L, ...] -> [Bs, nc, q, ...]; padding has dt = 0
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t
+        return t.reshape(n_seqs, nc, q, *t.shape[2:])
+
+    xdt = chunks(x * dt.unsqueeze(-1)).view(n_seqs, nc, q, n_group, rep, head_dim)
+    Bc, Cc = chunks(B), chunks(C)  # [Bs, nc, q, G, N]
+    a = chunks(dt * A).view(n_seqs, nc, q, n_group, rep)
+    acs = torch.cumsum(a, dim=2)  # [Bs, nc, q, G, R]
+
+    # 1. inside each chunk: decay between positions l >= s, then the masked "attention" product
+    seg = acs.permute(0, 1, 3, 4, 2)  # [Bs, nc, G, R, q]
+    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+    decay = torch.exp((seg.unsqueeze(-1) - seg.unsqueeze(-2)).masked_fill(~causal, float("-inf")))
+    CB = torch.einsum("bclgn,bcsgn->bcgls", Cc, Bc).unsqueeze(3)  # [Bs, nc, G, 1, q, q]
+    y = torch.einsum("bcgrls,bcsgrp->bclgrp", CB * decay, xdt)
+
+    # 2. each chunk's own contribution to the state at its end
+    to_end = torch.exp(acs[:, :, -1:] - acs)  # [Bs, nc, q, G, R]
+    chunk_states = torch.einsum("bclgn,bclgrp->bcgrpn", Bc, xdt * to_end.unsqueeze(-1))
+
+    # 3. states at chunk starts: a short recurrence over chunks
+    chunk_decay = torch.exp(acs[:, :, -1])  # [Bs, nc, G, R]
+    state = h.view(n_seqs, n_group, rep, head_dim, d_state)
+    starts = []
+    for c in range(nc):
+        starts.append(state)
+        state = torch.addcmul(chunk_states[:, c], state, chunk_decay[:, c, :, :, None, None])
+    start_states = torch.stack(starts, dim=1)  # [Bs, nc, G, R, P, N]
+
+    # 4. the start state's contribution to every position, decayed from the chunk start
+    y_off = torch.einsum("bclgn,bcgrpn->bclgrp", Cc, start_states) * torch.exp(acs).unsqueeze(-1)
+    y = (y + y_off).reshape(n_seqs, nc * q, n_head, head_dim)[:, :n_tokens]
+    y = torch.addcmul(y, x, D.unsqueeze(-1))
+    return y, state.reshape(n_seqs, n_head, head_dim, d_state)
