@@ -1,4 +1,4 @@
-"""Mamba-1's selective scan: ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t``, ``y_t = C_t . h_t + D x_t``.
+"""Mamba-1's selective scan: ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t``, ``y_t = C_t h_t + D x_t``.
 
 Shapes: ``x``, ``dt`` ``[Bs, L, D]`` (``dt`` after softplus), ``A`` ``[D, N]`` (``-exp(A_log)``), ``B``, ``C``
 ``[Bs, L, N]``, ``D`` ``[D]``, state ``h`` ``[Bs, D, N]`` (llama.cpp's ggml ``[N, D]`` row). Every ``(d, n)``
@@ -12,8 +12,8 @@ import itertools
 
 import torch
 
-# Inside a chunk the scan divides by exp(E_t), the decay accumulated since the chunk's first
-# token;# chunks end before that decay passes exp(-60), far from float32's limit (exp(88)), so nothing overflows.
+# Inside a chunk the scan divides by exp(E_t), the decay accumulated since the chunk's first token.
+# Chunks end before that passes exp(-60), far from float32's limit (exp(88)): nothing overflows.
 MAX_LOG_DECAY = 60.0
 
 
