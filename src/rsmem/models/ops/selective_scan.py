@@ -26,7 +26,7 @@ def selective_state_step(
     C: torch.Tensor,
     D: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token for every sequence: ``x``, ``dt`` ``[Bs, D]``, ``B``, ``C`` ``[Bs, N]``; returns ``(y, h)``."""
+    """One token of every sequence: ``x``, ``dt`` ``[Bs, D]``, ``B``, ``C`` ``[Bs, N]`` -> ``(y, h)``."""
     dA = torch.exp(dt.unsqueeze(-1) * A)  # [Bs, D, N]
     h = torch.addcmul(h * dA, (dt * x).unsqueeze(-1), B.unsqueeze(1))
     y = torch.bmm(h, C.unsqueeze(-1)).squeeze(-1)
