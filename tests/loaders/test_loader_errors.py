@@ -80,7 +80,7 @@ def test_truncated_gguf(tmp_path: Path, keep: float) -> None:
     n = int(len(data) * keep) if isinstance(keep, float) else keep
     p = tmp_path / "cut.gguf"
     p.write_bytes(data[:n])
-    with pytest.raises(ModelFormatError, match="cut.gguf"):
+    with pytest.raises(ModelFormatError, match=r"cut\.gguf"):
         rsmem.load_model(p)
 
 
@@ -122,5 +122,5 @@ def test_hf_missing_tensor(tmp_path: Path) -> None:
 
 def test_hf_folder_without_weights(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba2"}))
-    with pytest.raises(ModelFormatError, match="no model.safetensors"):
+    with pytest.raises(ModelFormatError, match=r"no model\.safetensors"):
         rsmem.load_model(tmp_path)

@@ -12,7 +12,7 @@ import rsmem
 from rsmem.loaders import convert_hf_to_gguf
 
 pytest.importorskip("transformers")
-from tiny_hf import N_VOCAB, reference_logits, save_hf_model  # noqa: E402
+from tiny_hf import N_VOCAB, reference_logits, save_hf_model
 
 ATOL = 1e-4
 
