@@ -1,5 +1,25 @@
-"""Generation engine: request scheduling and token sampling on top of a :class:`~rsmem.context.Context`."""
+"""Generation: requests, sampling, continuous batching, and the high-level ``LLM`` API."""
 
+from rsmem.engine.engine import Engine, EngineStats
+from rsmem.engine.llm import LLM, default_model_path, load_text_model
+from rsmem.engine.request import CompletionOutput, FinishReason, RequestOutput
 from rsmem.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprobs, make_generator
+from rsmem.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingParams", "TokenLogprobs", "make_generator"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Engine",
+    "EngineStats",
+    "FinishReason",
+    "IncrementalDetokenizer",
+    "RequestOutput",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingParams",
+    "TextTokenizer",
+    "TokenLogprobs",
+    "default_model_path",
+    "load_text_model",
+    "make_generator",
+]

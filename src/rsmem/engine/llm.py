@@ -1,0 +1,103 @@
+"""``LLM``: the high-level API. Load a model, generate from many prompts at once, or stream one."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from rsmem.context import Context
+from rsmem.engine.engine import Engine
+from rsmem.engine.request import RequestOutput
+from rsmem.engine.sampling import SamplingParams
+from rsmem.engine.tokenizer import TextTokenizer
+from rsmem.models.protocol import RecurrentModel
+
+Prompt = str | Sequence[int]
+
+
+def default_model_path() -> Path:
+    """The small Shakespeare model shipped inside the package."""
+    return Path(str(resources.files("rsmem") / "data" / "default-model.gguf"))
+
+
+def load_text_model(
+    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, n_threads: int | None = None
+) -> tuple[RecurrentModel, TextTokenizer | None]:
+    """A model and its tokenizer (with BOS/EOS ids) from a GGUF file or an HF folder."""
+    from rsmem.loaders import build_model, build_tokenizer, read_checkpoint
+
+    if n_threads is not None:
+        torch.set_num_threads(n_threads)
+    ckpt = read_checkpoint(path)
+    model = build_model(ckpt, dtype)
+    tokenizer = None
+    if ckpt.tokenizer is not None:
+        data = ckpt.tokenizer
+        tokenizer = TextTokenizer(build_tokenizer(data), data.bos_id, data.eos_id)
+    return model, tokenizer
+
+
+class LLM:
+    """A model with a context and an engine: ``LLM(path).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | RecurrentModel | None = None,
+        *,
+        tokenizer: TextTokenizer | None = None,
+        n_seq_max: int = 8,
+        n_batch: int = 512,
+        n_ubatch: int | None = None,
+        state_dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = torch.float32,
+        n_threads: int | None = None,
+    ) -> None:
+        if model is None or isinstance(model, str | os.PathLike):
+            model, loaded_tokenizer = load_text_model(
+                default_model_path() if model is None else model, dtype=dtype, n_threads=n_threads
+            )
+            tokenizer = tokenizer or loaded_tokenizer
+        elif n_threads is not None:
+            torch.set_num_threads(n_threads)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.context = Context(
+            model, n_seq_max=n_seq_max, n_batch=n_batch, n_ubatch=n_ubatch or n_batch, state_dtype=state_dtype
+        )
+        self.engine = Engine(self.context, tokenizer)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (batched together); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        for out in self.engine.run_until_done():
+            if out.finished:
+                final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Reports of one request as it generates; each carries the new text in ``delta_text``."""
+        request_id = self.engine.add_request(prompt, params)
+        try:
+            while self.engine.has_unfinished:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(request_id)

@@ -1,0 +1,91 @@
+"""Requests and what the engine reports about them."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rsmem.engine.sampling import SamplingParams, TokenLogprobs
+from rsmem.engine.tokenizer import IncrementalDetokenizer
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued, no sequence yet
+    PREFILL = "prefill"  # prompt being folded into the first completion's sequence
+    DECODE = "decode"  # completions generating
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Completion:
+    """One of a request's ``n`` completions, with its own sequence, generator and text."""
+
+    index: int
+    generator: torch.Generator
+    detok: IncrementalDetokenizer | None
+    seq_id: int = -1
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    reported_chars: int = 0  # text already sent in reports
+    reported_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_tokens: list[int]
+    params: SamplingParams
+    completions: list[Completion]
+    prompt_text: str | None = None
+    phase: Phase = Phase.WAITING
+    n_prefilled: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    @property
+    def prefill_seq(self) -> int:
+        return self.completions[0].seq_id
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    logprobs: tuple[TokenLogprobs, ...] | None
+    delta_text: str = ""  # new since the previous report of this request
+    delta_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionOutput, ...]
+    finished: bool
+    prompt: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The first completion's text (the usual case, ``n = 1``)."""
+        return self.outputs[0].text

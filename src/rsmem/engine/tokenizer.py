@@ -1,0 +1,62 @@
+"""Text <-> tokens for the engine, and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+
+@dataclass(slots=True)
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` with the special ids the engine needs (GGUF keeps them apart)."""
+
+    tokenizer: Tokenizer
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+
+@dataclass(slots=True)
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas without decoding the whole list each step.
+
+    Byte-level BPE can split a UTF-8 character over several tokens; while the decoded tail ends in the
+    replacement character the delta is held back until the character is complete. Decoding restarts
+    from ``prefix`` (a few tokens before the unread part) so every step costs O(new tokens).
+    """
+
+    tokenizer: TextTokenizer
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    _prefix: int = 0
+    _read: int = 0
+
+    def push(self, token: int) -> str:
+        """Add one token; returns the text it completes (possibly empty)."""
+        self.tokens.append(token)
+        before = self.tokenizer.decode(self.tokens[self._prefix : self._read])
+        after = self.tokenizer.decode(self.tokens[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            delta = after[len(before) :]
+            self._prefix, self._read = self._read, len(self.tokens)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (a truncated character at the very end)."""
+        rest = self.tokenizer.decode(self.tokens[self._prefix :])[
+            len(self.tokenizer.decode(self.tokens[self._prefix : self._read])) :
+        ]
+        self._prefix = self._read = len(self.tokens)
+        self.text += rest
+        return rest

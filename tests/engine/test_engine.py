@@ -1,0 +1,262 @@
+"""The engine: continuous batching equals plain decoding, isolation between requests, freeing, seeds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from rsmem import Batch, Context
+from rsmem.engine import Engine, FinishReason, IncrementalDetokenizer, SamplingParams, TextTokenizer
+from rsmem.models import DecayedSumModel
+
+EOS = 256
+
+
+def byte_tokenizer() -> TextTokenizer:
+    """Byte-level BPE without merges: token i is byte i, plus an end-of-text token 256."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = {b: c for b, c in zip(range(256), sorted(alphabet, key=_byte_of), strict=True)}
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    vocab["<eos>"] = EOS
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    return TextTokenizer(tok, bos_token_id=None, eos_token_id=EOS)
+
+
+def _byte_of(ch: str) -> int:
+    """GPT-2's byte -> printable character map, inverted."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(map(chr, cs), bs, strict=True))[ch]
+
+
+def make_engine(n_seq_max: int = 8, max_batch_tokens: int = 32, tokenizer=None, n_vocab: int = 257):
+    model = DecayedSumModel(n_vocab=n_vocab, n_embd=6, n_layer=2, seed=3)
+    ctx = Context(model, n_seq_max=n_seq_max, n_batch=64, n_ubatch=16)
+    return model, Engine(ctx, tokenizer, max_batch_tokens=max_batch_tokens)
+
+
+def run_alone(prompt: list[int], params: SamplingParams) -> list[tuple[int, ...]]:
+    _, engine = make_engine(n_seq_max=params.n)
+    engine.add_request(prompt, params)
+    final = [o for o in engine.run_until_done() if o.finished]
+    return [c.token_ids for c in final[0].outputs]
+
+
+def test_greedy_engine_equals_step_by_step_decode():
+    model, engine = make_engine()
+    prompt = [
+        5,
+        9,
+        13,
+        2,
+        7,
+        1,
+        30,
+        4,
+        8,
+        8,
+        3,
+        60,
+        70,
+        12,
+        11,
+        10,
+        9,
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+        8,
+        9,
+        10,
+        11,
+        12,
+        13,
+        14,
+        15,
+        16,
+        17,
+        18,
+        19,
+        20,
+    ]  # longer than max_batch_tokens: prefilled in chunks
+    engine.add_request(prompt, SamplingParams.greedy(max_tokens=12))
+    out = [o for o in engine.run_until_done() if o.finished][0]
+
+    ctx = Context(model, n_seq_max=1)
+    ctx.decode(Batch(prompt))
+    want = []
+    for _ in range(12):
+        tok = int(torch.argmax(ctx.get_logits(-1)))
+        want.append(tok)
+        ctx.decode(Batch([tok]))
+    assert list(out.outputs[0].token_ids) == want
+    assert out.outputs[0].finish_reason is FinishReason.LENGTH
+
+
+def test_sixteen_requests_at_once_equal_each_run_alone():
+    rng = random.Random(7)
+    requests = []
+    for i in range(16):
+        prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 40))]
+        params = SamplingParams(
+            temperature=0.8,
+            top_k=20,
+            seed=100 + i,
+            n=rng.choice([1, 1, 2, 3]),
+            max_tokens=rng.randrange(1, 10),
+        )
+        requests.append((prompt, params))
+    _, engine = make_engine(n_seq_max=6, max_batch_tokens=24)
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    final = {o.request_id: o for o in engine.run_until_done() if o.finished}
+    for rid, (prompt, params) in zip(ids, requests, strict=True):
+        got = [c.token_ids for c in final[rid].outputs]
+        assert got == run_alone(prompt, params), rid
+        assert all(len(t) == params.max_tokens for t in got)
+    assert engine.ctx.memory.used == 0
+    assert sorted(engine.free_seqs) == list(range(6))
+
+
+def test_n_completions_prefill_the_prompt_once_and_differ():
+    model, engine = make_engine(n_seq_max=4)
+    seen: list[int] = []
+    forward = model.forward
+
+    def counting_forward(ubatch, states):
+        seen.extend(ubatch.tokens)
+        return forward(ubatch, states)
+
+    model.forward = counting_forward
+    prompt = list(range(40, 60))
+    engine.add_request(prompt, SamplingParams(temperature=1.0, seed=1, n=4, max_tokens=5))
+    out = [o for o in engine.run_until_done() if o.finished][0]
+    assert engine.stats.prompt_tokens == len(prompt)
+    assert len(seen) == len(prompt) + 4 * 4  # the prompt once, then 4 decode steps of 4 sequences
+    assert len({c.token_ids for c in out.outputs}) > 1
+    assert engine.ctx.memory.used == 0
+
+
+def test_seeds_reproduce_and_differ():
+    params = SamplingParams(temperature=1.5, seed=42, max_tokens=8)
+    a = run_alone([1, 2, 3], params)
+    assert a == run_alone([1, 2, 3], params)
+    assert a != run_alone([1, 2, 3], SamplingParams(temperature=1.5, seed=43, max_tokens=8))
+
+
+def test_abort_frees_sequences_running_and_waiting():
+    _, engine = make_engine(n_seq_max=2)
+    first = engine.add_request(list(range(10)), SamplingParams(n=2, max_tokens=50, seed=0))
+    second = engine.add_request([1, 2], SamplingParams(max_tokens=50, seed=0))
+    engine.step()
+    engine.step()
+    assert engine.ctx.memory.used == 2
+    assert engine.abort(second)  # still waiting: no sequence free
+    assert engine.abort(first)
+    assert not engine.abort(first)
+    assert engine.ctx.memory.used == 0
+    reports = engine.step()
+    assert {r.request_id for r in reports} == {first, second}
+    assert all(c.finish_reason is FinishReason.ABORT for r in reports for c in r.outputs)
+    assert not engine.has_unfinished
+    assert sorted(engine.free_seqs) == [0, 1]
+
+
+def test_waiting_requests_take_freed_sequences():
+    _, engine = make_engine(n_seq_max=2)
+    ids = [engine.add_request([i + 1], SamplingParams(max_tokens=3 + i, seed=i)) for i in range(5)]
+    max_running = 0
+    done = []
+    while engine.has_unfinished:
+        done += [o.request_id for o in engine.step() if o.finished]
+        max_running = max(max_running, engine.ctx.memory.used)
+    assert sorted(done) == sorted(ids)
+    assert max_running == 2
+    assert engine.ctx.memory.used == 0
+
+
+class ScriptedModel(DecayedSumModel):
+    """Keeps the toy model's states but always predicts ``script[pos + 1]`` after position ``pos``."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__(n_vocab=257, n_embd=4, n_layer=1)
+        self.script = script
+
+    def forward(self, ubatch, states):
+        super().forward(ubatch, states)
+        logits = torch.full((ubatch.n_outputs, self.n_vocab), -10.0)
+        for row, i in enumerate(ubatch.output_rows()):
+            logits[row, self.script[ubatch.pos[i] + 1]] = 10.0
+        return logits
+
+
+def scripted_engine(text: bytes, tail: list[int]) -> Engine:
+    model = ScriptedModel(list(text) + tail)
+    return Engine(Context(model, n_seq_max=2), byte_tokenizer(), max_batch_tokens=8)
+
+
+def test_stop_string_cuts_text_and_streams_consistently():
+    prompt = "Once"
+    engine = scripted_engine(prompt.encode() + b" upon a time, the end", [EOS])
+    engine.add_request(prompt, SamplingParams.greedy(max_tokens=40, stop=("me,", "zzz")))
+    reports = list(engine.run_until_done())
+    c = reports[-1].outputs[0]
+    assert c.text == " upon a ti"
+    assert "".join(r.outputs[0].delta_text for r in reports) == c.text
+    assert c.finish_reason is FinishReason.STOP
+    assert engine.ctx.memory.used == 0
+
+
+def test_eos_finishes_and_multibyte_text_streams_whole_characters():
+    prompt = "x"
+    engine = scripted_engine(prompt.encode() + "né€".encode(), [EOS, 65])
+    engine.add_request(prompt, SamplingParams.greedy(max_tokens=40))
+    reports = list(engine.run_until_done())
+    deltas = [r.outputs[0].delta_text for r in reports]
+    assert [d for d in deltas if d] == ["n", "é", "€"]
+    c = reports[-1].outputs[0]
+    assert c.text == "né€" and c.token_ids[-1] == EOS
+    assert c.finish_reason is FinishReason.STOP
+    engine.add_request(prompt, SamplingParams.greedy(max_tokens=8, ignore_eos=True))
+    c = [r for r in engine.run_until_done() if r.finished][0].outputs[0]
+    assert c.text.endswith("€A")
+
+
+def test_incremental_detokenizer_holds_back_partial_characters():
+    tok = byte_tokenizer()
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push(b) for b in "añ€!".encode()]
+    assert pieces == ["a", "", "ñ", "", "", "€", "!"]
+    assert detok.text == "añ€!"
+
+
+def test_bad_requests_are_rejected():
+    _, engine = make_engine(n_seq_max=2)
+    with pytest.raises(ValueError, match="n = 3 completions"):
+        engine.add_request([1], SamplingParams(n=3))
+    with pytest.raises(ValueError, match="prompt token 1: id 999"):
+        engine.add_request([1, 999])
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        engine.add_request("text")
+    engine.add_request([1], request_id="x")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1], request_id="x")
