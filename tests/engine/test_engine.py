@@ -260,3 +260,60 @@ def test_bad_requests_are_rejected():
     engine.add_request([1], request_id="x")
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([1], request_id="x")
+
+
+def _greedy_continuation(model, tokens: list[int], n: int) -> list[int]:
+    ctx = Context(model, n_seq_max=1)
+    ctx.decode(Batch(tokens))
+    out = []
+    for _ in range(n):
+        out.append(int(torch.argmax(ctx.get_logits(-1))))
+        ctx.decode(Batch(out[-1:]))
+    return out
+
+
+def test_session_carries_state_between_turns_and_through_a_file(tmp_path):
+    model, engine = make_engine(n_seq_max=3)
+    session = engine.open_session()
+    turn1, turn2, turn3 = [5, 6, 7], [8, 9], [10]
+    greedy = SamplingParams.greedy(max_tokens=4)
+    engine.add_request(turn1, greedy, session=session)
+    g1 = list(next(o for o in engine.run_until_done() if o.finished).outputs[0].token_ids)
+    engine.add_request(turn2, greedy, session=session)
+    g2 = list(next(o for o in engine.run_until_done() if o.finished).outputs[0].token_ids)
+    assert g1 == _greedy_continuation(model, turn1, 4)
+    assert g2 == _greedy_continuation(model, turn1 + g1 + turn2, 4)
+    # only new tokens were processed: the pending last token and the new prompt
+    assert engine.stats.prompt_tokens == len(turn1) + 1 + len(turn2)
+    assert engine.ctx.memory.seq_pos_max(session.seq_id) >= 0
+
+    path = tmp_path / "chat.ggsq"
+    engine.save_session(session, str(path))
+    assert session.tokens == turn1 + g1 + turn2 + g2
+
+    _, fresh = make_engine(n_seq_max=2)
+    resumed = fresh.open_session(str(path))
+    assert resumed.tokens == session.tokens
+    fresh.add_request(turn3, greedy, session=resumed)
+    g3 = list(next(o for o in fresh.run_until_done() if o.finished).outputs[0].token_ids)
+    assert g3 == _greedy_continuation(model, session.tokens + turn3, 4)
+    assert fresh.stats.prompt_tokens == len(turn3)
+
+    engine.close_session(session)
+    assert engine.ctx.memory.used == 0 and sorted(engine.free_seqs) == [0, 1, 2]
+
+
+def test_session_rules():
+    _, engine = make_engine(n_seq_max=2)
+    session = engine.open_session()
+    with pytest.raises(ValueError, match="one completion"):
+        engine.add_request([1], SamplingParams(n=2), session=session)
+    engine.add_request([1], SamplingParams(max_tokens=3), session=session)
+    with pytest.raises(ValueError, match="busy"):
+        engine.add_request([1], session=session)
+    with pytest.raises(RuntimeError, match="request running"):
+        engine.save_session(session, "unused")
+    list(engine.run_until_done())
+    engine.close_session(session)
+    with pytest.raises(ValueError, match="closed"):
+        engine.add_request([1], session=session)

@@ -2,7 +2,7 @@
 
 from rsmem.engine.engine import Engine, EngineStats
 from rsmem.engine.llm import LLM, default_model_path, load_text_model
-from rsmem.engine.request import CompletionOutput, FinishReason, RequestOutput
+from rsmem.engine.request import CompletionOutput, FinishReason, RequestOutput, Session
 from rsmem.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprobs, make_generator
 from rsmem.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 
@@ -17,6 +17,7 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingParams",
+    "Session",
     "TextTokenizer",
     "TokenLogprobs",
     "default_model_path",

@@ -30,6 +30,7 @@ from rsmem.engine.request import (
     Phase,
     Request,
     RequestOutput,
+    Session,
 )
 from rsmem.engine.sampling import Sampler, SamplingParams, TokenLogprobs, make_generator
 from rsmem.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -68,6 +69,7 @@ class Engine:
         self.free_seqs: list[int] = list(range(context.n_seq_max))[::-1]  # pop() gives the lowest id
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._sessions: dict[int, Session] = {}  # seq id -> session holding it
 
     # --------------------------------------------------------------- submit
 
@@ -76,15 +78,30 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        session: Session | None = None,
     ) -> str:
-        """Queue a prompt (text, or token ids); returns its request id."""
+        """Queue a prompt (text, or token ids); returns its request id.
+
+        With a ``session`` the prompt continues the session's state (only the new tokens are
+        processed) and the state is kept when the request ends; ``n`` must then be 1.
+        """
         params = params or SamplingParams()
+        if session is not None:
+            if params.n != 1:
+                raise ValueError(f"a session request generates one completion, not n = {params.n}")
+            if session.closed or session.busy:
+                raise ValueError(
+                    f"session on sequence {session.seq_id} is {'closed' if session.closed else 'busy'}"
+                )
         if params.n > self.ctx.n_seq_max:
             raise ValueError(
                 f"n = {params.n} completions need more sequences than n_seq_max = {self.ctx.n_seq_max}"
             )
         prompt_text = prompt if isinstance(prompt, str) else None
         tokens = self._encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if session is not None:
+            tokens = session.pending + tokens
         if not tokens:
             raise ValueError("the prompt is empty (and the model has no BOS token to start from)")
         for i, t in enumerate(tokens):
@@ -103,7 +120,10 @@ class Engine:
             )
             for i in range(params.n)
         ]
-        req = Request(request_id, tokens, params, completions, prompt_text)
+        req = Request(request_id, tokens, params, completions, prompt_text, session=session)
+        if session is not None:
+            session.busy = True
+            session.pending = []
         self.requests[request_id] = req
         self.waiting.append(req)
         return request_id
@@ -151,12 +171,14 @@ class Engine:
         return [self._report(r) for r in touched.values()]
 
     def _admit(self) -> None:
-        while self.waiting and len(self.free_seqs) >= self.waiting[0].params.n:
+        while self.waiting and (
+            self.waiting[0].session is not None or len(self.free_seqs) >= self.waiting[0].params.n
+        ):
             req = self.waiting.popleft()
             if req.finished:  # aborted while waiting
                 continue
             for c in req.completions:
-                c.seq_id = self.free_seqs.pop()
+                c.seq_id = req.session.seq_id if req.session is not None else self.free_seqs.pop()
             req.phase = Phase.PREFILL
             self.running.append(req)
 
@@ -266,13 +288,15 @@ class Engine:
         self._free_completion(c)
 
     def _free_completion(self, c: Completion) -> None:
-        if c.seq_id >= 0:
+        if c.seq_id >= 0 and not self._is_session_seq(c.seq_id):
             self.ctx.memory.seq_rm(c.seq_id, -1, -1)
             self.free_seqs.append(c.seq_id)
             c.seq_id = -1
 
     def _release(self, req: Request) -> None:
-        """Finish a request: free every sequence it still holds."""
+        """Finish a request: free every sequence it still holds (a session keeps its own)."""
+        if req.session is not None:
+            self._end_session_request(req)
         for c in req.completions:
             if c.finish_reason is None:
                 c.finish_reason = FinishReason.ABORT
@@ -305,6 +329,62 @@ class Engine:
         return RequestOutput(
             req.request_id, tuple(req.prompt_tokens), tuple(outs), req.finished, req.prompt_text
         )
+
+    # ------------------------------------------------------------ sessions
+
+    def open_session(self, path: str | None = None) -> Session:
+        """Reserve a sequence for a conversation; with ``path``, restore a saved sequence file into it."""
+        if not self.free_seqs:
+            raise RuntimeError("no free sequence for a session: every sequence is in use")
+        seq = self.free_seqs.pop()
+        session = Session(seq)
+        if path is not None:
+            try:
+                session.tokens = self.ctx.state_seq_load_file(path, seq)
+            except BaseException:
+                self.free_seqs.append(seq)
+                raise
+        self._sessions[seq] = session
+        return session
+
+    def save_session(self, session: Session, path: str) -> int:
+        """Write the session's state and tokens to a llama.cpp sequence file; returns bytes written.
+
+        A pending token (sampled, not yet in the state) is decoded first so the file is complete.
+        """
+        if session.busy:
+            raise RuntimeError("the session has a request running; save it when the request is done")
+        if session.pending:
+            self.ctx.decode(Batch(session.pending, seq_ids=[[session.seq_id]] * len(session.pending)))
+            session.tokens += session.pending
+            session.pending = []
+        return self.ctx.state_seq_save_file(path, session.seq_id, session.tokens)
+
+    def close_session(self, session: Session) -> None:
+        """Forget the conversation and return its sequence."""
+        if session.busy:
+            raise RuntimeError("the session has a request running")
+        if not session.closed:
+            self.ctx.memory.seq_rm(session.seq_id, -1, -1)
+            self.free_seqs.append(session.seq_id)
+            del self._sessions[session.seq_id]
+            session.closed = True
+
+    def _is_session_seq(self, seq: int) -> bool:
+        return seq in self._sessions
+
+    def _end_session_request(self, req: Request) -> None:
+        """Record what the finished request folded into the session's state."""
+        session = req.session
+        assert session is not None
+        c = req.completions[0]
+        if req.phase is Phase.DECODE:
+            session.tokens += req.prompt_tokens + c.tokens[:-1]
+            session.pending = c.tokens[-1:]
+        else:  # aborted during prefill: only the processed part of the prompt is in the state
+            session.tokens += req.prompt_tokens[: req.n_prefilled]
+            session.pending = req.prompt_tokens[req.n_prefilled :]
+        session.busy = False
 
     # ------------------------------------------------------------ helpers
 

@@ -46,6 +46,21 @@ class Completion:
 
 
 @dataclass(slots=True)
+class Session:
+    """A conversation that keeps its sequence (and so its state) between requests.
+
+    ``tokens`` are folded into the state; ``pending`` were sampled but not yet fed to the model (a
+    request's last token), and go in front of the next prompt, so nothing is processed twice.
+    """
+
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    busy: bool = False
+    closed: bool = False
+
+
+@dataclass(slots=True)
 class Request:
     request_id: str
     prompt_tokens: list[int]
@@ -56,6 +71,7 @@ class Request:
     n_prefilled: int = 0
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    session: Session | None = None
 
     @property
     def finished(self) -> bool:
