@@ -317,3 +317,54 @@ def test_session_rules():
     engine.close_session(session)
     with pytest.raises(ValueError, match="closed"):
         engine.add_request([1], session=session)
+
+
+def test_prompt_cache_reuses_a_finished_requests_state():
+    model = DecayedSumModel(n_vocab=257, n_embd=6, n_layer=2, seed=3)
+    engine = Engine(Context(model, n_seq_max=2), prompt_cache=True)
+    greedy = SamplingParams.greedy(max_tokens=3)
+    engine.add_request([1, 2, 3, 4], greedy)
+    first = next(o for o in engine.run_until_done() if o.finished).outputs[0].token_ids
+    assert engine.ctx.memory.used == 1 and engine.active_cells() == 0
+    follow = [1, 2, 3, 4, *first, 9, 9]
+    engine.add_request(follow, greedy)
+    out = next(o for o in engine.run_until_done() if o.finished).outputs[0].token_ids
+    assert list(out) == _greedy_continuation(model, follow, 3)
+    assert engine.stats.cached_prompt_tokens == 4 + 2  # prompt and the fed generated tokens
+    assert engine.stats.prompt_tokens == 4 + (len(follow) - 6)
+    # a prompt that does not extend the cache starts from scratch in a fresh sequence
+    engine.add_request([7, 7], greedy)
+    out = next(o for o in engine.run_until_done() if o.finished).outputs[0].token_ids
+    assert list(out) == _greedy_continuation(model, [7, 7], 3)
+
+
+def test_slot_save_erase_restore_continues_like_an_uninterrupted_run(tmp_path):
+    model = DecayedSumModel(n_vocab=257, n_embd=6, n_layer=2, seed=3)
+    engine = Engine(Context(model, n_seq_max=3), prompt_cache=True)
+    greedy = SamplingParams.greedy(max_tokens=4)
+    engine.add_request([5, 6, 7], greedy, slot=1)
+    gen = list(next(o for o in engine.run_until_done() if o.finished).outputs[0].token_ids)
+    assert engine.slots()[1]["n_cached_tokens"] == 3 + 3
+    path = tmp_path / "slot1.ggsq"
+    n_tokens, size = engine.slot_save(1, str(path))
+    assert n_tokens == 6 and size == path.stat().st_size
+    assert engine.slot_erase(1) == 6
+    assert engine.ctx.memory.used == 0
+    assert engine.slot_restore(2, str(path)) == 6
+    follow = [5, 6, 7, *gen, 11]
+    engine.add_request(follow, greedy, slot=2)
+    out = list(next(o for o in engine.run_until_done() if o.finished).outputs[0].token_ids)
+    assert out == _greedy_continuation(model, follow, 4)
+    assert engine.stats.cached_prompt_tokens == 6
+
+
+def test_slot_errors():
+    _, engine = make_engine(n_seq_max=2)
+    with pytest.raises(ValueError, match="slot 5 does not exist"):
+        engine.slot_erase(5)
+    with pytest.raises(ValueError, match="slot 2 does not exist"):
+        engine.add_request([1], slot=2)
+    engine.add_request([1], SamplingParams(max_tokens=5), slot=0)
+    engine.step()
+    with pytest.raises(RuntimeError, match="slot 0 is busy"):
+        engine.slot_save(0, "unused")

@@ -42,6 +42,7 @@ class EngineStats:
 
     steps: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     generated_tokens: int = 0
     decode_seconds: float = 0.0
     requests_finished: int = 0
@@ -56,6 +57,7 @@ class Engine:
         tokenizer: TextTokenizer | None = None,
         *,
         max_batch_tokens: int | None = None,
+        prompt_cache: bool = False,
     ) -> None:
         self.ctx = context
         self.tokenizer = tokenizer
@@ -70,6 +72,10 @@ class Engine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._sessions: dict[int, Session] = {}  # seq id -> session holding it
+        # Prompt cache: a finished request's sequence keeps its state; a new prompt that extends the
+        # cached tokens continues from it instead of processing them again. Oldest entry first.
+        self.prompt_cache = prompt_cache
+        self.cached: dict[int, list[int]] = {}
 
     # --------------------------------------------------------------- submit
 
@@ -80,6 +86,7 @@ class Engine:
         request_id: str | None = None,
         *,
         session: Session | None = None,
+        slot: int | None = None,
     ) -> str:
         """Queue a prompt (text, or token ids); returns its request id.
 
@@ -94,6 +101,10 @@ class Engine:
                 raise ValueError(
                     f"session on sequence {session.seq_id} is {'closed' if session.closed else 'busy'}"
                 )
+        if slot is not None and not 0 <= slot < self.ctx.n_seq_max:
+            raise ValueError(f"slot {slot} does not exist: slots are 0 to {self.ctx.n_seq_max - 1}")
+        if slot is not None and slot in self._sessions:
+            raise ValueError(f"slot {slot} is held by a session")
         if params.n > self.ctx.n_seq_max:
             raise ValueError(
                 f"n = {params.n} completions need more sequences than n_seq_max = {self.ctx.n_seq_max}"
@@ -120,7 +131,7 @@ class Engine:
             )
             for i in range(params.n)
         ]
-        req = Request(request_id, tokens, params, completions, prompt_text, session=session)
+        req = Request(request_id, tokens, params, completions, prompt_text, session=session, slot=slot)
         if session is not None:
             session.busy = True
             session.pending = []
@@ -171,16 +182,62 @@ class Engine:
         return [self._report(r) for r in touched.values()]
 
     def _admit(self) -> None:
-        while self.waiting and (
-            self.waiting[0].session is not None or len(self.free_seqs) >= self.waiting[0].params.n
-        ):
-            req = self.waiting.popleft()
+        """Give waiting requests their sequences, in arrival order (a blocked head blocks the rest)."""
+        while self.waiting:
+            req = self.waiting[0]
             if req.finished:  # aborted while waiting
+                self.waiting.popleft()
                 continue
-            for c in req.completions:
-                c.seq_id = req.session.seq_id if req.session is not None else self.free_seqs.pop()
+            if req.session is not None:
+                first = req.session.seq_id
+            elif req.slot is not None:
+                if req.slot not in self.free_seqs or len(self.free_seqs) < req.params.n:
+                    break
+                first = req.slot
+            elif len(self.free_seqs) >= req.params.n:
+                first = self._best_free_seq(req.prompt_tokens)
+            else:
+                break
+            self.waiting.popleft()
+            if req.session is None:
+                self._take_seq(first, reuse_for=req)
+            req.completions[0].seq_id = first
+            for c in req.completions[1:]:
+                c.seq_id = self._best_free_seq([])
+                self._take_seq(c.seq_id, reuse_for=None)
             req.phase = Phase.PREFILL
             self.running.append(req)
+
+    def _best_free_seq(self, prompt: list[int]) -> int:
+        """The free sequence whose cached state covers most of ``prompt``; else one holding no cache;
+        else the one cached longest ago."""
+        best, best_len = -1, 0
+        for seq, tokens in self.cached.items():
+            if (
+                seq in self.free_seqs
+                and best_len < len(tokens) < len(prompt)
+                and prompt[: len(tokens)] == tokens
+            ):
+                best, best_len = seq, len(tokens)
+        if best >= 0:
+            return best
+        uncached = [s for s in self.free_seqs if s not in self.cached]
+        if uncached:
+            return min(uncached)
+        return next(s for s in self.cached if s in self.free_seqs)
+
+    def _take_seq(self, seq: int, reuse_for: Request | None) -> None:
+        """Take a free sequence; keep its cached state only if it is a proper prefix of the prompt."""
+        self.free_seqs.remove(seq)
+        tokens = self.cached.pop(seq, None)
+        if tokens is None:
+            return
+        prompt = reuse_for.prompt_tokens if reuse_for is not None else []
+        if len(tokens) < len(prompt) and prompt[: len(tokens)] == tokens and reuse_for is not None:
+            reuse_for.n_prefilled = reuse_for.cached_tokens = len(tokens)
+            self.stats.cached_prompt_tokens += len(tokens)
+            return
+        self.ctx.memory.seq_rm(seq, -1, -1)
 
     def _schedule(self) -> tuple[Batch | None, list[tuple[Request, Completion | None]]]:
         """The next batch and, per output row in batch order, whose logits they are.
@@ -256,16 +313,16 @@ class Engine:
             c.logprobs.append(logprob)
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         if token == eos and not req.params.ignore_eos:
-            self._finish(c, FinishReason.STOP)
+            self._finish(req, c, FinishReason.STOP)
             return
         if c.detok is not None:
             delta = c.detok.push(token)
             c.text += delta
             if req.params.stop and self._cut_at_stop(c, req.params.stop, len(delta)):
-                self._finish(c, FinishReason.STOP, flush=False)
+                self._finish(req, c, FinishReason.STOP, flush=False)
                 return
         if len(c.tokens) >= req.params.max_tokens:
-            self._finish(c, FinishReason.LENGTH)
+            self._finish(req, c, FinishReason.LENGTH)
 
     @staticmethod
     def _cut_at_stop(c: Completion, stops: tuple[str, ...], n_new: int) -> bool:
@@ -281,17 +338,26 @@ class Engine:
         c.text = c.text[: min(hits)]
         return True
 
-    def _finish(self, c: Completion, reason: FinishReason, *, flush: bool = True) -> None:
+    def _finish(self, req: Request, c: Completion, reason: FinishReason, *, flush: bool = True) -> None:
         if flush and c.detok is not None:
             c.text += c.detok.flush()
         c.finish_reason = reason
-        self._free_completion(c)
+        self._free_completion(c, req)
 
-    def _free_completion(self, c: Completion) -> None:
-        if c.seq_id >= 0 and not self._is_session_seq(c.seq_id):
+    def _free_completion(self, c: Completion, req: Request) -> None:
+        """Return a finished completion's sequence; with the prompt cache, its state stays for reuse."""
+        if c.seq_id < 0 or self._is_session_seq(c.seq_id):
+            return
+        if c.index == 0 or req.phase is Phase.DECODE:
+            folded = req.prompt_tokens[: req.n_prefilled] + c.tokens[:-1]
+        else:
+            folded = []  # a fork whose prompt never finished: nothing in its sequence
+        if self.prompt_cache and folded:
+            self.cached[c.seq_id] = folded
+        else:
             self.ctx.memory.seq_rm(c.seq_id, -1, -1)
-            self.free_seqs.append(c.seq_id)
-            c.seq_id = -1
+        self.free_seqs.append(c.seq_id)
+        c.seq_id = -1
 
     def _release(self, req: Request) -> None:
         """Finish a request: free every sequence it still holds (a session keeps its own)."""
@@ -300,7 +366,7 @@ class Engine:
         for c in req.completions:
             if c.finish_reason is None:
                 c.finish_reason = FinishReason.ABORT
-            self._free_completion(c)
+            self._free_completion(c, req)
         if req in self.running:
             self.running.remove(req)
         if req.phase is not Phase.FINISHED:
@@ -336,7 +402,8 @@ class Engine:
         """Reserve a sequence for a conversation; with ``path``, restore a saved sequence file into it."""
         if not self.free_seqs:
             raise RuntimeError("no free sequence for a session: every sequence is in use")
-        seq = self.free_seqs.pop()
+        seq = self._best_free_seq([])
+        self._take_seq(seq, reuse_for=None)
         session = Session(seq)
         if path is not None:
             try:
@@ -369,6 +436,56 @@ class Engine:
             self.free_seqs.append(session.seq_id)
             del self._sessions[session.seq_id]
             session.closed = True
+
+    # ---------------------------------------------------------------- slots
+
+    def _idle_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.ctx.n_seq_max:
+            raise ValueError(f"slot {slot} does not exist: slots are 0 to {self.ctx.n_seq_max - 1}")
+        if slot not in self.free_seqs:
+            raise RuntimeError(f"slot {slot} is busy")
+
+    def slot_save(self, slot: int, path: str) -> tuple[int, int]:
+        """Save an idle slot's cached state and tokens to a sequence file; returns (tokens, bytes)."""
+        self._idle_slot(slot)
+        tokens = self.cached.get(slot, [])
+        return len(tokens), self.ctx.state_seq_save_file(path, slot, tokens)
+
+    def slot_restore(self, slot: int, path: str) -> int:
+        """Load a sequence file into an idle slot; a prompt extending its tokens continues from it."""
+        self._idle_slot(slot)
+        tokens = self.ctx.state_seq_load_file(path, slot)
+        self.cached.pop(slot, None)
+        if tokens or self.ctx.memory.seq_pos_max(slot) >= 0:
+            self.cached[slot] = tokens
+        return len(tokens)
+
+    def slot_erase(self, slot: int) -> int:
+        """Drop an idle slot's cached state; returns the number of tokens it held."""
+        self._idle_slot(slot)
+        self.ctx.memory.seq_rm(slot, -1, -1)
+        return len(self.cached.pop(slot, []))
+
+    def slots(self) -> list[dict[str, object]]:
+        """Per slot: whether it is busy and how many tokens of state it caches."""
+        running = {c.seq_id: r.request_id for r in self.running for c in r.completions if c.seq_id >= 0}
+        return [
+            {
+                "id": s,
+                "busy": s in running or s in self._sessions,
+                "request_id": running.get(s),
+                "n_cached_tokens": len(self.cached.get(s, [])),
+            }
+            for s in range(self.ctx.n_seq_max)
+        ]
+
+    def active_cells(self) -> int:
+        """Cells held by running requests and sessions (the rest of ``memory.used`` is cache)."""
+        return sum(
+            1
+            for s in range(self.ctx.n_seq_max)
+            if s not in self.free_seqs and self.ctx.memory.seq_pos_max(s) >= 0
+        )
 
     def _is_session_seq(self, seq: int) -> bool:
         return seq in self._sessions

@@ -72,6 +72,8 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     session: Session | None = None
+    slot: int | None = None  # a sequence id the request must run in (its first completion)
+    cached_tokens: int = 0  # prompt tokens whose state was reused instead of processed
 
     @property
     def finished(self) -> bool:
