@@ -72,6 +72,7 @@ def start_server(llm: LLM, *, max_queue: int = 16, **settings) -> Iterator[LiveS
 @pytest.fixture(scope="module")
 def live(shared_llm: LLM, tmp_path_factory) -> Iterator[LiveServer]:
     slot_dir = tmp_path_factory.mktemp("slots")
-    yield from start_server(
+    with start_server(
         shared_llm, slot_save_path=slot_dir, max_prompt_tokens=200, max_tokens_limit=64, max_body_bytes=20_000
-    )
+    ) as server:
+        yield server
