@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
-from rsmem.models.ops.common import linear, output_rows
+from rsmem.models.ops.common import linear, output_rows, transposed
 from rsmem.models.ops.conv import causal_conv1d
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.selective_scan import selective_scan
@@ -68,7 +68,8 @@ class MambaWeights:
     lm_head: torch.Tensor  # [n_vocab, d_model]; the embedding itself when tied
 
 
-MATRICES = ("in_proj", "x_proj", "out_proj")  # the rest is small and stays float32
+# held transposed, [in, out], in the compute dtype; the rest is small and stays float32 [out, in]
+MATRICES = ("in_proj", "x_proj", "out_proj")
 
 
 class MambaModel:
@@ -92,11 +93,14 @@ class MambaModel:
         self.embedding = weights.embedding.to(f32)
         self.norm_f = weights.norm_f.to(f32)
         tied = weights.lm_head is weights.embedding
-        self.lm_head = self.embedding.to(dtype) if tied else weights.lm_head.to(dtype)
+        # transposed copies [in, out] (see ops.common.linear); a tied head costs one extra copy
+        self.lm_head = transposed(weights.embedding if tied else weights.lm_head, dtype)
         self.layers = [
             MambaLayer(
                 **{
-                    name: getattr(layer, name).to(dtype if name in MATRICES else f32).contiguous()
+                    name: transposed(getattr(layer, name), dtype)
+                    if name in MATRICES
+                    else getattr(layer, name).to(f32).contiguous()
                     for name in MambaLayer.__slots__
                 }
             )

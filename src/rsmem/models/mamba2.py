@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
-from rsmem.models.ops.common import linear, output_rows
+from rsmem.models.ops.common import linear, output_rows, transposed
 from rsmem.models.ops.conv import causal_conv1d
 from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
 from rsmem.models.ops.ssd import ssd_chunked
@@ -77,7 +77,7 @@ class Mamba2Weights:
     lm_head: torch.Tensor  # the embedding itself when tied
 
 
-MATRICES = ("in_proj", "out_proj")
+MATRICES = ("in_proj", "out_proj")  # held transposed, [in, out], in the compute dtype
 
 
 class Mamba2Model:
@@ -97,11 +97,14 @@ class Mamba2Model:
         self.embedding = weights.embedding.to(f32)
         self.norm_f = weights.norm_f.to(f32)
         tied = weights.lm_head is weights.embedding
-        self.lm_head = self.embedding.to(dtype) if tied else weights.lm_head.to(dtype)
+        # transposed copies [in, out] (see ops.common.linear); a tied head costs one extra copy
+        self.lm_head = transposed(weights.embedding if tied else weights.lm_head, dtype)
         self.layers = [
             Mamba2Layer(
                 **{
-                    name: getattr(layer, name).to(dtype if name in MATRICES else f32).contiguous()
+                    name: transposed(getattr(layer, name), dtype)
+                    if name in MATRICES
+                    else getattr(layer, name).to(f32).contiguous()
                     for name in Mamba2Layer.__slots__
                 }
             )

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` in the weight's dtype (bf16 matrices), returned as float32 for the residual stream."""
-    if weight.dtype == x.dtype:
-        return F.linear(x, weight)
-    return F.linear(x.to(weight.dtype), weight).float()
+def linear(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """``x @ weight_t`` in the weight's dtype (bf16 matrices), returned as float32 for the residual stream.
+
+    Models keep their matrices transposed, ``[in, out]`` contiguous: on CPU the plain product is up to
+    ~2x faster than ``F.linear`` on ``[out, in]`` for one or a few rows (decode), measured with torch 2.13.
+    """
+    if weight_t.dtype == x.dtype:
+        return torch.matmul(x, weight_t)
+    return torch.matmul(x.to(weight_t.dtype), weight_t).float()
+
+
+def transposed(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[out, in]`` matrix as the ``[in, out]`` contiguous copy :func:`linear` expects."""
+    return weight.to(dtype).t().contiguous()
 
 
 def output_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
