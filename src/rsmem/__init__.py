@@ -2,6 +2,7 @@
 
 from rsmem.batch import Batch, BatchAllocator, UBatch
 from rsmem.context import Context
+from rsmem.engine import LLM, Engine, RequestOutput, SamplingParams
 from rsmem.errors import (
     InvalidBatchError,
     ModelFormatError,
@@ -18,16 +19,20 @@ __version__ = "0.1.0"
 convert = convert_hf_to_gguf  # rsmem.convert(hf_dir, out_path, outtype)
 
 __all__ = [
+    "LLM",
     "Batch",
     "BatchAllocator",
     "Context",
+    "Engine",
     "InvalidBatchError",
     "MemoryStatus",
     "ModelFormatError",
     "NoSlotError",
     "RecurrentMemory",
     "RecurrentMemoryContext",
+    "RequestOutput",
     "RsmemError",
+    "SamplingParams",
     "StateFormatError",
     "StateShape",
     "UBatch",
