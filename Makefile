@@ -1,5 +1,5 @@
 # Two entry points, each creating .venv on first use:
-#   make run   - the main job (decode demo on the embedded default model)
+#   make run   - the main job: generate text with the embedded default model
 #   make test  - lint and the test suite
 PY := .venv/bin/python
 STAMP := .venv/.installed
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	.venv/bin/rsmem demo
+	.venv/bin/rsmem generate "ROMEO:" -n 160 --seed 1
 
 lint: $(STAMP)
 	.venv/bin/ruff check src tests bench scripts
@@ -26,6 +26,7 @@ test: $(STAMP) lint
 
 bench: $(STAMP)
 	$(PY) bench/memory_bookkeeping.py
+	.venv/bin/rsmem bench
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache .hypothesis

@@ -368,3 +368,23 @@ def test_slot_errors():
     engine.step()
     with pytest.raises(RuntimeError, match="slot 0 is busy"):
         engine.slot_save(0, "unused")
+
+
+def test_llm_generate_stream_and_astream_agree():
+    import asyncio
+
+    from rsmem.engine import LLM
+
+    model = DecayedSumModel(n_vocab=257, n_embd=6, n_layer=2, seed=3)
+    llm = LLM(model, tokenizer=byte_tokenizer(), n_seq_max=2)
+    params = SamplingParams(temperature=0.7, seed=9, max_tokens=10)
+    whole = llm.generate(["abc", "de"], params)
+    assert [o.request_id for o in whole] == sorted(o.request_id for o in whole)
+    streamed = "".join(o.outputs[0].delta_text for o in llm.stream("abc", params))
+    assert streamed == whole[0].text
+
+    async def collect() -> str:
+        return "".join([o.outputs[0].delta_text async for o in llm.astream("de", params)])
+
+    assert asyncio.run(collect()) == whole[1].text
+    assert llm.context.memory.used == 0

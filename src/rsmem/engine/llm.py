@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -101,3 +102,15 @@ class LLM:
                             return
         finally:
             self.engine.abort(request_id)
+
+    async def astream(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """:meth:`stream` for asyncio: each engine step runs in a worker thread, the loop stays free."""
+        loop = asyncio.get_running_loop()
+        reports = self.stream(prompt, params)
+        try:
+            while (out := await loop.run_in_executor(None, next, reports, None)) is not None:
+                yield out
+        finally:
+            await loop.run_in_executor(None, reports.close)

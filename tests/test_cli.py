@@ -1,0 +1,121 @@
+"""The ``rsmem`` command line, run as a user would: in a subprocess, with the embedded default model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rsmem.engine import default_model_path
+
+ENV = os.environ | {"PYTHONUNBUFFERED": "1"}
+
+
+def rsmem(*args: str, stdin: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rsmem.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
+
+
+def test_default_model_is_shipped():
+    path = default_model_path()
+    assert path.is_file()
+    assert path.stat().st_size < 16_000_000
+
+
+def test_generate_with_the_default_model():
+    r = rsmem("generate", "ROMEO:", "-n", "24", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ROMEO:")
+    words = r.stdout[len("ROMEO:") :].split()
+    assert len(words) >= 3  # it writes words, not nothing
+    assert "tok/s" in r.stderr
+
+
+def test_generate_is_reproducible_with_a_seed_and_reads_stdin():
+    a = rsmem("generate", "-n", "12", "--seed", "7", stdin="KING:")
+    b = rsmem("generate", "-n", "12", "--seed", "7", stdin="KING:")
+    assert a.returncode == b.returncode == 0
+    assert a.stdout == b.stdout
+
+
+def test_generate_parallel_prompts_from_file(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ROMEO:\nJULIET:\n\nHAMLET:\n")
+    r = rsmem("generate", "-f", str(prompts), "--parallel", "3", "-n", "8", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stdout.splitlines() if line.startswith("--- prompt")] == [
+        "--- prompt 1 ---",
+        "--- prompt 2 ---",
+        "--- prompt 3 ---",
+    ]
+
+
+def test_save_and_load_state_continue_without_reprocessing(tmp_path):
+    state = tmp_path / "s.ggsq"
+    first = rsmem("generate", "ROMEO:", "-n", "8", "--temp", "0", "--save-state", str(state))
+    assert first.returncode == 0, first.stderr
+    assert state.is_file() and "saved" in first.stderr
+    resumed = rsmem("generate", " And", "-n", "8", "--temp", "0", "--load-state", str(state))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "restored" in resumed.stderr
+    # only the new text was processed: " And" plus the pending token is a handful of prompt tokens
+    prompt_tokens = int(resumed.stderr.split("[")[-1].split(" prompt tokens")[0])
+    assert prompt_tokens <= 4
+
+
+def test_chat_carries_state_between_turns():
+    r = rsmem("chat", "-n", "10", "--temp", "0", stdin="ROMEO:\nJULIET:\n")
+    assert r.returncode == 0, r.stderr
+    assert "prompt tokens" in r.stderr
+
+
+def test_info_reports_architecture_and_state_size():
+    r = rsmem("info")
+    assert r.returncode == 0, r.stderr
+    assert "architecture:    mamba" in r.stdout
+    assert "state per seq:" in r.stdout and "parameters:" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("generate", "hi", "-m", "/no/such/model.gguf"), "model not found"),
+        (("generate", "hi", "--temp", "-1"), "temperature"),
+        (("generate", "hi", "--parallel", "0"), "--parallel must be at least 1"),
+        (("generate", "hi", "--load-state", "/no/such/state.ggsq"), "No such file"),
+        (("info", "/no/such/model.gguf"), "model not found"),
+        (("convert", "/no/such/dir", "out.gguf"), "not a Hugging Face model folder"),
+        (("frobnicate",), "invalid choice"),
+    ],
+)
+def test_bad_options_exit_nonzero_with_one_clear_line(args, message):
+    r = rsmem(*args)
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.strip().splitlines() if line.startswith("rsmem")]
+    assert lines and message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_corrupt_model_file_is_one_clear_line(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 20)
+    r = rsmem("generate", "hi", "-m", str(bad))
+    assert r.returncode == 1
+    assert r.stderr.strip().startswith("rsmem: error:") and "Traceback" not in r.stderr
+
+
+def test_corrupt_state_file_is_one_clear_line(tmp_path):
+    bad = tmp_path / "bad.ggsq"
+    bad.write_bytes(Path(__file__).read_bytes()[:100])
+    r = rsmem("generate", "hi", "--load-state", str(bad))
+    assert r.returncode == 1
+    assert "not a sequence state file" in r.stderr and "Traceback" not in r.stderr
