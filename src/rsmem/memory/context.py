@@ -42,7 +42,7 @@ class RecurrentMemoryContext:
         self.is_full = is_full
         self._i = 0
         self._copy_index: torch.Tensor | None = None
-        self._in_place = False  # every sequence already in its own row: no gather needed
+        self._moved_dst = self._moved_src = torch.empty(0, dtype=torch.long)  # rows to move, and from where
         self._zero_needed = False  # some cell reads the zero row rs_z
 
     # ------------------------------------------------------------ the plan
@@ -94,10 +94,12 @@ class RecurrentMemoryContext:
         """``s_copy(i)`` for every ``i < n_rs``, as an index tensor (built once per micro-batch)."""
         if self._copy_index is None:
             src0 = [self.s_copy(i) for i in range(self.n_rs)]
-            head, n_seqs = self.head, self.ubatch.n_seqs if self.ubatches else self.n_rs
-            self._in_place = self.n_rs == n_seqs and src0 == list(range(head, head + n_seqs))
+            moved = [i for i, src in enumerate(src0) if src != self.head + i]
+            device = self.memory.device
+            self._moved_dst = torch.tensor([self.head + i for i in moved], dtype=torch.long, device=device)
+            self._moved_src = torch.tensor([src0[i] for i in moved], dtype=torch.long, device=device)
             self._zero_needed = self.rs_z >= 0 and self.rs_z in src0
-            self._copy_index = torch.tensor(src0, dtype=torch.long, device=self.memory.device)
+            self._copy_index = torch.tensor(src0, dtype=torch.long, device=device)
         return self._copy_index
 
     # -------------------------------------------------- state gather/scatter
@@ -105,29 +107,27 @@ class RecurrentMemoryContext:
     def read_states(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Input states of layer ``il`` for the micro-batch's sequences: ``[n_seqs, n_embd_r|s]``.
 
-        Performs the data movement ``find_slot`` staged: zeroes row ``rs_z`` when a new sequence reads
-        it, gathers each sequence's input row through ``s_copy``, and moves the rows of the other cells
-        in ``[head + n_seqs, head + n_rs)`` from their sources. Everything is read before anything is
-        written, so a source row that is also a destination is read intact.
+        Performs the data movement ``find_slot`` staged, for every cell in ``[head, head + n_rs)``:
+        zeroes row ``rs_z`` when a new sequence reads it, then copies each cell whose source row is not
+        its own (``s_copy(i) != head + i``: a copy-on-write, a reordered cell, a new sequence) from that
+        source. All sources are read before any row is written, so a row that is both is read intact.
+        Cells already in place cost nothing, so steady decode moves no data at all.
 
-        In the common decode case every sequence already sits in its own row (``s_copy(i) == head+i``):
-        then no copy is made and the result is a view of the memory's rows. A model may update such
-        a view in place; it must not read the inputs again after ``write_states``.
+        Returns views of rows ``[head, head + n_seqs)``. A model may update them in place; it must not
+        read the inputs again after ``write_states``.
         """
         r, s = self._layer(il)
         n_seqs, head = self.ubatch.n_seqs, self.head
-        index = self.copy_index()
+        self.copy_index()
         if self._zero_needed:
             r[self.rs_z].zero_()
             s[self.rs_z].zero_()
-        if self._in_place:
-            return r[head : head + n_seqs], s[head : head + n_seqs]
-        r_in = r.index_select(0, index)
-        s_in = s.index_select(0, index)
-        if self.n_rs > n_seqs:
-            r[head + n_seqs : head + self.n_rs] = r_in[n_seqs:]
-            s[head + n_seqs : head + self.n_rs] = s_in[n_seqs:]
-        return r_in[:n_seqs], s_in[:n_seqs]
+        if self._moved_dst.numel():
+            r_src = r.index_select(0, self._moved_src)
+            s_src = s.index_select(0, self._moved_src)
+            r.index_copy_(0, self._moved_dst, r_src)
+            s.index_copy_(0, self._moved_dst, s_src)
+        return r[head : head + n_seqs], s[head : head + n_seqs]
 
     def _layer(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
         r, s = self.memory.r_l[il], self.memory.s_l[il]
