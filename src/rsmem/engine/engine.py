@@ -64,6 +64,10 @@ class Engine:
         self.max_batch_tokens = max_batch_tokens or context.n_batch
         if self.max_batch_tokens > context.n_batch:
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens} exceeds n_batch {context.n_batch}")
+        if context.n_seq_max > self.max_batch_tokens:  # one decode token per sequence must fit a step
+            raise ValueError(
+                f"n_seq_max {context.n_seq_max} exceeds the per-step token budget {self.max_batch_tokens}"
+            )
         self.sampler = Sampler()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
