@@ -7,11 +7,14 @@ import torch
 
 from rsmem.models.ops import (
     causal_conv1d,
+    causal_conv1d_,
     causal_conv1d_ref,
     gated_group_rms_norm,
     selective_scan,
+    selective_scan_,
     selective_scan_ref,
     ssd_chunked,
+    ssd_chunked_,
     ssd_ref,
 )
 from rsmem.models.ops.selective_scan import chunk_bounds
@@ -87,3 +90,32 @@ def test_gated_norm_normalises_each_group() -> None:
     out = gated_group_rms_norm(y, z, torch.ones(8), n_group=2, eps=0.0)
     groups = out.view(2, 2, 4)
     torch.testing.assert_close(groups.square().mean(-1), torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("n_tokens", [1, 6])
+def test_in_place_kernels_update_the_given_rows(n_tokens: int) -> None:
+    """The ``_`` kernels write their states into the tensors passed (views of memory rows), nothing else."""
+    x, dt, A, B, C, D, h = _mamba_inputs(2, n_tokens, 1.0)
+    rows = torch.randn(4, *h.shape[1:])
+    rows[1:3] = h
+    before = rows.clone()
+    y = selective_scan_(x, dt, A, B, C, D, rows[1:3])
+    y_ref, h_ref = selective_scan_ref(x, dt, A, B, C, D, h)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rows[1:3], h_ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(rows[0], before[0]) and torch.equal(rows[3], before[3])
+
+    x, dt, A, B, C, D, h = _ssd_inputs(2, n_tokens, n_group=2)
+    rows = torch.randn(3, *h.shape[1:])
+    rows[:2] = h
+    y = ssd_chunked_(x, dt, A, B, C, D, rows[:2], chunk_size=4)
+    y_ref, h_ref = ssd_ref(x, dt, A, B, C, D, h)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rows[:2], h_ref, rtol=1e-4, atol=1e-4)
+
+    window = torch.randn(2, 10, 3)
+    xc, w, b = torch.randn(2, n_tokens, 10), torch.randn(10, 4), torch.randn(10)
+    y_ref, win_ref = causal_conv1d_ref(xc, window, w, b)
+    y = causal_conv1d_(xc, window, w, b)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(window, win_ref)

@@ -13,12 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rsmem.batch.batch import UBatch
-from rsmem.models.ops.common import linear, output_rows, transposed
-from rsmem.models.ops.conv import causal_conv1d
-from rsmem.models.ops.norm import rms_norm
-from rsmem.models.ops.selective_scan import selective_scan
-from rsmem.models.protocol import StateAccess
+from rsmem.models.base import MambaFamilyModel
+from rsmem.models.ops.common import linear
+from rsmem.models.ops.conv import causal_conv1d_
+from rsmem.models.ops.selective_scan import selective_scan_
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +66,7 @@ class MambaWeights:
     lm_head: torch.Tensor  # [n_vocab, d_model]; the embedding itself when tied
 
 
-# held transposed, [in, out], in the compute dtype; the rest is small and stays float32 [out, in]
-MATRICES = ("in_proj", "x_proj", "out_proj")
-
-
-class MambaModel:
+class MambaModel(MambaFamilyModel):
     """A Mamba language model implementing :class:`~rsmem.models.protocol.RecurrentModel`.
 
     Matrices are kept in ``dtype`` (float32 or bfloat16); norms, conv, ``A``, ``D`` and the scan stay
@@ -80,61 +74,25 @@ class MambaModel:
     """
 
     arch = "mamba"
+    matrices = ("in_proj", "x_proj", "out_proj")
 
     def __init__(self, config: MambaConfig, weights: MambaWeights, *, dtype: torch.dtype = torch.float32):
-        self.config = config
-        self.dtype = dtype
-        self.n_vocab = config.n_vocab
-        self.n_layer = config.n_layer
-        self.n_embd_r = (config.d_conv - 1) * config.d_inner
-        self.n_embd_s = config.d_state * config.d_inner
-        self.tokenizer = None  # set by the loaders when the file carries one
-        f32 = torch.float32
-        self.embedding = weights.embedding.to(f32)
-        self.norm_f = weights.norm_f.to(f32)
-        tied = weights.lm_head is weights.embedding
-        # transposed copies [in, out] (see ops.common.linear); a tied head costs one extra copy
-        self.lm_head = transposed(weights.embedding if tied else weights.lm_head, dtype)
-        self.layers = [
-            MambaLayer(
-                **{
-                    name: transposed(getattr(layer, name), dtype)
-                    if name in MATRICES
-                    else getattr(layer, name).to(f32).contiguous()
-                    for name in MambaLayer.__slots__
-                }
-            )
-            for layer in weights.layers
-        ]
-
-    def is_recurrent_layer(self, il: int) -> bool:
-        return True
-
-    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
-        cfg = self.config
-        tokens = ubatch.token_tensor()  # [Bs, L]
-        n_seqs = tokens.shape[0]
-        x = self.embedding[tokens]  # [Bs, L, d_model]
-        for il, layer in enumerate(self.layers):
-            r, s = states.read_states(il)
-            window = r.view(n_seqs, cfg.d_inner, cfg.d_conv - 1).float()
-            h = s.view(n_seqs, cfg.d_inner, cfg.d_state).float()
-            out, window, h = self.mixer(layer, rms_norm(x, layer.norm, cfg.eps), window, h)
-            states.write_states(il, window, h)
-            x = x + out
-        x = output_rows(x, ubatch.output_rows())
-        return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head).float()
+        super().__init__(
+            config,
+            weights,
+            dtype=dtype,
+            conv_channels=config.d_inner,
+            state_shape=(config.d_inner, config.d_state),
+        )
 
     def mixer(
         self, layer: MambaLayer, u: torch.Tensor, window: torch.Tensor, h: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The selective SSM block over ``u`` ``[Bs, L, d_model]``; returns ``(out, window, h)``."""
+    ) -> torch.Tensor:
+        """The selective SSM block over ``u`` ``[Bs, L, d_model]``; updates ``window`` and ``h`` in place."""
         cfg = self.config
-        xz = linear(u, layer.in_proj)
-        xs, z = xz.split(cfg.d_inner, dim=-1)
-        xc, window = causal_conv1d(xs, window, layer.conv_weight, layer.conv_bias)
-        xc = F.silu(xc)
+        xs, z = linear(u, layer.in_proj).split(cfg.d_inner, dim=-1)
+        xc = F.silu(causal_conv1d_(xs, window, layer.conv_weight, layer.conv_bias))
         dt_low, B, C = linear(xc, layer.x_proj).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
         dt = F.softplus(F.linear(dt_low, layer.dt_proj, layer.dt_bias))
-        y, h = selective_scan(xc, dt, layer.A, B.contiguous(), C.contiguous(), layer.D, h)
-        return linear(y * F.silu(z), layer.out_proj), window, h
+        y = selective_scan_(xc, dt, layer.A, B, C, layer.D, h)
+        return linear(y.mul_(F.silu(z)), layer.out_proj)

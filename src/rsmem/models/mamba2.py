@@ -13,12 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rsmem.batch.batch import UBatch
-from rsmem.models.ops.common import linear, output_rows, transposed
-from rsmem.models.ops.conv import causal_conv1d
-from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
-from rsmem.models.ops.ssd import ssd_chunked
-from rsmem.models.protocol import StateAccess
+from rsmem.models.base import MambaFamilyModel
+from rsmem.models.ops.common import linear
+from rsmem.models.ops.conv import causal_conv1d_
+from rsmem.models.ops.norm import gated_group_rms_norm
+from rsmem.models.ops.ssd import ssd_chunked_
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,73 +76,34 @@ class Mamba2Weights:
     lm_head: torch.Tensor  # the embedding itself when tied
 
 
-MATRICES = ("in_proj", "out_proj")  # held transposed, [in, out], in the compute dtype
-
-
-class Mamba2Model:
+class Mamba2Model(MambaFamilyModel):
     """A Mamba-2 language model implementing :class:`~rsmem.models.protocol.RecurrentModel`."""
 
     arch = "mamba2"
+    matrices = ("in_proj", "out_proj")
 
     def __init__(self, config: Mamba2Config, weights: Mamba2Weights, *, dtype: torch.dtype = torch.float32):
-        self.config = config
-        self.dtype = dtype
-        self.n_vocab = config.n_vocab
-        self.n_layer = config.n_layer
-        self.n_embd_r = (config.d_conv - 1) * config.conv_dim
-        self.n_embd_s = config.d_state * config.d_inner
-        self.tokenizer = None
-        f32 = torch.float32
-        self.embedding = weights.embedding.to(f32)
-        self.norm_f = weights.norm_f.to(f32)
-        tied = weights.lm_head is weights.embedding
-        # transposed copies [in, out] (see ops.common.linear); a tied head costs one extra copy
-        self.lm_head = transposed(weights.embedding if tied else weights.lm_head, dtype)
-        self.layers = [
-            Mamba2Layer(
-                **{
-                    name: transposed(getattr(layer, name), dtype)
-                    if name in MATRICES
-                    else getattr(layer, name).to(f32).contiguous()
-                    for name in Mamba2Layer.__slots__
-                }
-            )
-            for layer in weights.layers
-        ]
-
-    def is_recurrent_layer(self, il: int) -> bool:
-        return True
-
-    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
-        cfg = self.config
-        tokens = ubatch.token_tensor()  # [Bs, L]
-        n_seqs = tokens.shape[0]
-        x = self.embedding[tokens]  # [Bs, L, d_model]
-        for il, layer in enumerate(self.layers):
-            r, s = states.read_states(il)
-            window = r.view(n_seqs, cfg.conv_dim, cfg.d_conv - 1).float()
-            h = s.view(n_seqs, cfg.n_head, cfg.head_dim, cfg.d_state).float()
-            out, window, h = self.mixer(layer, rms_norm(x, layer.norm, cfg.eps), window, h)
-            states.write_states(il, window, h)
-            x = x + out
-        x = output_rows(x, ubatch.output_rows())
-        return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head).float()
+        super().__init__(
+            config,
+            weights,
+            dtype=dtype,
+            conv_channels=config.conv_dim,
+            state_shape=(config.n_head, config.head_dim, config.d_state),
+        )
 
     def mixer(
         self, layer: Mamba2Layer, u: torch.Tensor, window: torch.Tensor, h: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The SSD block over ``u`` ``[Bs, L, d_model]``; returns ``(out, window, h)``."""
+    ) -> torch.Tensor:
+        """The SSD block over ``u`` ``[Bs, L, d_model]``; updates ``window`` and ``h`` in place."""
         cfg = self.config
         n_seqs, n_tokens, _ = u.shape
         z, xBC, dt = linear(u, layer.in_proj).split([cfg.d_inner, cfg.conv_dim, cfg.n_head], dim=-1)
-        xBC, window = causal_conv1d(xBC, window, layer.conv_weight, layer.conv_bias)
-        xBC = F.silu(xBC)
+        xBC = F.silu(causal_conv1d_(xBC, window, layer.conv_weight, layer.conv_bias))
         gn = cfg.n_group * cfg.d_state
         x, B, C = xBC.split([cfg.d_inner, gn, gn], dim=-1)
-        dt = F.softplus(dt + layer.dt_bias)
-        y, h = ssd_chunked(
+        y = ssd_chunked_(
             x.reshape(n_seqs, n_tokens, cfg.n_head, cfg.head_dim),
-            dt,
+            F.softplus(dt + layer.dt_bias),
             layer.A,
             B.reshape(n_seqs, n_tokens, cfg.n_group, cfg.d_state),
             C.reshape(n_seqs, n_tokens, cfg.n_group, cfg.d_state),
@@ -154,4 +114,4 @@ class Mamba2Model:
         y = gated_group_rms_norm(
             y.reshape(n_seqs, n_tokens, cfg.d_inner), z, layer.ssm_norm, cfg.n_group, cfg.eps
         )
-        return linear(y, layer.out_proj), window, h
+        return linear(y, layer.out_proj)

@@ -1,8 +1,13 @@
-"""Small helpers the Mamba models share: dtype-aware projections and picking output rows."""
+"""Small helpers the Mamba models share: dtype-aware projections, picking output rows, and the token loop
+of the scans' reference twins."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+StateStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def linear(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
@@ -29,3 +34,22 @@ def output_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == 1:
         return flat[rows[0] : rows[0] + 1]
     return flat.index_select(0, torch.tensor(rows, dtype=torch.long, device=flat.device))
+
+
+def scan_tokens(
+    step: StateStep,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply a one-token ``step(h, x_t, dt_t, A, B_t, C_t, D) -> (y_t, h)`` to each of the ``L`` tokens
+    (dimension 1 of ``x``, ``dt``, ``B``, ``C``); returns ``(y, h after the last token)``."""
+    ys = []
+    for t in range(x.shape[1]):
+        y, h = step(h, x[:, t], dt[:, t], A, B[:, t], C[:, t], D)
+        ys.append(y)
+    return torch.stack(ys, dim=1), h

@@ -11,23 +11,32 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_conv1d(
+def causal_conv1d_(
     x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Convolve ``x`` ``[Bs, L, C]`` after ``window`` ``[Bs, C, K-1]``; returns ``(y [Bs, L, C], window)``.
+) -> torch.Tensor:
+    """Convolve ``x`` ``[Bs, L, C]`` after ``window`` ``[Bs, C, K-1]``, which is updated in place to the
+    last ``K - 1`` inputs; returns ``y`` ``[Bs, L, C]``.
 
     ``weight`` is ``[C, K]`` (column ``K-1`` multiplies the current token). No activation is applied.
     """
     n_tokens = x.shape[1]
     xx = torch.cat([window, x.transpose(1, 2)], dim=2)  # [Bs, C, K-1+L]
-    new_window = xx[:, :, n_tokens:].contiguous()
+    window.copy_(xx[:, :, n_tokens:])
     if n_tokens == 1:  # decode: one dot product per channel, no conv setup
-        y = torch.einsum("bck,ck->bc", xx, weight)
+        y = (xx * weight).sum(-1, keepdim=True)  # [Bs, C, 1]
         if bias is not None:
-            y = y + bias
-        return y.unsqueeze(1), new_window
-    y = F.conv1d(xx, weight.unsqueeze(1), bias, groups=weight.shape[0])  # [Bs, C, L]
-    return y.transpose(1, 2), new_window
+            y += bias.unsqueeze(-1)
+    else:
+        y = F.conv1d(xx, weight.unsqueeze(1), bias, groups=weight.shape[0])  # [Bs, C, L]
+    return y.transpose(1, 2)
+
+
+def causal_conv1d(
+    x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv1d_` on a copy of ``window``; returns ``(y [Bs, L, C], new window)``."""
+    window = window.clone()
+    return causal_conv1d_(x, window, weight, bias), window
 
 
 def causal_conv1d_ref(

@@ -12,6 +12,8 @@ import itertools
 
 import torch
 
+from rsmem.models.ops.common import scan_tokens
+
 # Inside a chunk the scan divides by exp(E_t), the decay accumulated since the chunk's first token.
 # Chunks end before that passes exp(-60), far from float32's limit (exp(88)): nothing overflows.
 MAX_LOG_DECAY = 60.0
@@ -26,11 +28,27 @@ def selective_state_step(
     C: torch.Tensor,
     D: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of every sequence: ``x``, ``dt`` ``[Bs, D]``, ``B``, ``C`` ``[Bs, N]`` -> ``(y, h)``."""
+    """One token of every sequence: ``x``, ``dt`` ``[Bs, D]``, ``B``, ``C`` ``[Bs, N]`` -> ``(y, new h)``."""
     dA = torch.exp(dt.unsqueeze(-1) * A)  # [Bs, D, N]
-    h = torch.addcmul(h * dA, (dt * x).unsqueeze(-1), B.unsqueeze(1))
+    h = h * dA + (dt * x).unsqueeze(-1) * B.unsqueeze(1)
+    y = (h * C.unsqueeze(1)).sum(-1)
+    return y + D * x, h
+
+
+def selective_state_update_(
+    h: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`selective_state_step` with ``h`` updated in place (decode); returns ``y`` ``[Bs, D]``."""
+    dA = torch.exp_(dt.unsqueeze(-1) * A)  # [Bs, D, N]
+    h.mul_(dA).addcmul_((dt * x).unsqueeze(-1), B.unsqueeze(1))
     y = torch.bmm(h, C.unsqueeze(-1)).squeeze(-1)
-    return torch.addcmul(y, D, x), h
+    return torch.addcmul(y, D, x)
 
 
 def selective_scan_ref(
@@ -43,11 +61,7 @@ def selective_scan_ref(
     h: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token twin of :func:`selective_scan` (the recurrence as written in the paper)."""
-    ys = []
-    for t in range(x.shape[1]):
-        y, h = selective_state_step(h, x[:, t], dt[:, t], A, B[:, t], C[:, t], D)
-        ys.append(y)
-    return torch.stack(ys, dim=1), h
+    return scan_tokens(selective_state_step, x, dt, A, B, C, D, h)
 
 
 def chunk_bounds(max_decay: list[float], max_chunk: int, max_log_decay: float = MAX_LOG_DECAY) -> list[int]:
@@ -65,6 +79,46 @@ def chunk_bounds(max_decay: list[float], max_chunk: int, max_log_decay: float = 
     return bounds
 
 
+def selective_scan_(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+    *,
+    max_chunk: int = 32,
+) -> torch.Tensor:
+    """Chunked scan over ``L`` tokens; updates ``h`` in place to the state after the last token and
+    returns ``y`` ``[Bs, L, D]``.
+
+    In a chunk starting at token 0, with ``a_t = dt_t * A`` and ``E_t = a_1 + ... + a_t`` (``E_0 = 0``):
+    ``h_t = exp(E_t) * (exp(a_0) * h_in + sum_{k<=t} exp(-E_k) * dt_k x_k B_k)`` -- one cumulative sum
+    instead of ``t`` dependent steps. Chunk lengths adapt so ``-E`` stays below ``MAX_LOG_DECAY``.
+    """
+    n_tokens = x.shape[1]
+    if n_tokens == 1:
+        return selective_state_update_(h, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D).unsqueeze(1)
+    max_decay = (dt * (-A).amax(-1)).amax(dim=(0, 2)).tolist()  # [L]
+    bounds = chunk_bounds(max_decay, max_chunk)
+    dtx = dt * x
+    y = torch.empty_like(x)
+    state = h
+    for i, j in itertools.pairwise(bounds):
+        a = dt[:, i:j, :, None] * A  # [Bs, T, D, N]
+        a0 = a[:, :1]
+        E = torch.cumsum(a, dim=1).sub_(a0)
+        eE = torch.exp_(E)
+        u = dtx[:, i:j, :, None] * B[:, i:j, None, :]  # [Bs, T, D, N]
+        S = torch.cumsum(u.div_(eE), dim=1)
+        S.add_(state.unsqueeze(1) * torch.exp(a0)).mul_(eE)  # h_t for every t of the chunk
+        y[:, i:j] = torch.matmul(S, C[:, i:j, :, None]).squeeze(-1)
+        state = S[:, -1]
+    h.copy_(state)
+    return torch.addcmul(y, D, x)
+
+
 def selective_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -76,28 +130,6 @@ def selective_scan(
     *,
     max_chunk: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked scan over ``L`` tokens; returns ``(y [Bs, L, D], h after the last token)``.
-
-    In a chunk starting at token 0, with ``a_t = dt_t * A`` and ``E_t = a_1 + ... + a_t`` (``E_0 = 0``):
-    ``h_t = exp(E_t) * (exp(a_0) * h_in + sum_{k<=t} exp(-E_k) * dt_k x_k B_k)`` -- one cumulative sum
-    instead of ``t`` dependent steps. Chunk lengths adapt so ``-E`` stays below ``MAX_LOG_DECAY``.
-    """
-    n_tokens = x.shape[1]
-    if n_tokens == 1:
-        y, h = selective_state_step(h, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
-        return y.unsqueeze(1), h
-    max_decay = (dt * (-A).amax(-1)).amax(dim=(0, 2)).tolist()  # [L]
-    bounds = chunk_bounds(max_decay, max_chunk)
-    dtx = dt * x
-    y = torch.empty_like(x)
-    for i, j in itertools.pairwise(bounds):
-        a = dt[:, i:j, :, None] * A  # [Bs, T, D, N]
-        a0 = a[:, :1]
-        E = torch.cumsum(a, dim=1).sub_(a0)
-        eE = torch.exp_(E)
-        u = dtx[:, i:j, :, None] * B[:, i:j, None, :]  # [Bs, T, D, N]
-        S = torch.cumsum(u.div_(eE), dim=1)
-        S.add_(h.unsqueeze(1) * torch.exp(a0)).mul_(eE)  # h_t for every t of the chunk
-        y[:, i:j] = torch.matmul(S, C[:, i:j, :, None]).squeeze(-1)
-        h = S[:, -1]
-    return torch.addcmul(y, D, x), h.contiguous()
+    """:func:`selective_scan_` on a copy of ``h``; returns ``(y [Bs, L, D], h after the last token)``."""
+    h = h.clone()
+    return selective_scan_(x, dt, A, B, C, D, h, max_chunk=max_chunk), h

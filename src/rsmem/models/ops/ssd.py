@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rsmem.models.ops.common import scan_tokens
+
 
 def ssd_state_step(
     h: torch.Tensor,
@@ -21,16 +23,33 @@ def ssd_state_step(
     D: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for every sequence: ``x`` ``[Bs, H, P]``, ``dt`` ``[Bs, H]``, ``B``, ``C`` ``[Bs, G, N]``."""
+    rep = x.shape[1] // B.shape[1]
+    Bh, Ch = B.repeat_interleave(rep, dim=1), C.repeat_interleave(rep, dim=1)  # [Bs, H, N]
+    dA = torch.exp(dt * A)[:, :, None, None]  # [Bs, H, 1, 1]
+    h = h * dA + (x * dt.unsqueeze(-1)).unsqueeze(-1) * Bh.unsqueeze(2)
+    y = (h * Ch.unsqueeze(2)).sum(-1)
+    return y + x * D.unsqueeze(-1), h
+
+
+def ssd_state_update_(
+    h: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`ssd_state_step` with ``h`` (contiguous) updated in place; returns ``y`` ``[Bs, H, P]``."""
     n_seqs, n_head, head_dim = x.shape
     n_group, d_state = B.shape[1], B.shape[2]
-    rep = n_head // n_group
-    dA = torch.exp(dt * A)  # [Bs, H]
-    xdt = (x * dt.unsqueeze(-1)).view(n_seqs, n_group, rep * head_dim, 1)
-    dBx = (xdt * B.unsqueeze(2)).view(n_seqs, n_head, head_dim, d_state)
-    h = torch.addcmul(dBx, h, dA[:, :, None, None])
-    hg = h.view(n_seqs, n_group, rep * head_dim, d_state)
-    y = torch.matmul(hg, C.unsqueeze(-1)).view(n_seqs, n_head, head_dim)
-    return torch.addcmul(y, x, D.unsqueeze(-1)), h
+    rows = n_head // n_group * head_dim  # state rows [P, N] of the heads sharing a group, stacked
+    hg = h.view(n_seqs * n_group, rows, d_state)
+    h.mul_(torch.exp_(dt * A)[:, :, None, None])
+    xdt = (x * dt.unsqueeze(-1)).view(n_seqs * n_group, rows, 1)
+    hg.addcmul_(xdt, B.reshape(n_seqs * n_group, 1, d_state))
+    y = torch.bmm(hg, C.reshape(n_seqs * n_group, d_state, 1)).view(n_seqs, n_head, head_dim)
+    return torch.addcmul(y, x, D.unsqueeze(-1))
 
 
 def ssd_ref(
@@ -43,14 +62,10 @@ def ssd_ref(
     h: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token twin of :func:`ssd_chunked`."""
-    ys = []
-    for t in range(x.shape[1]):
-        y, h = ssd_state_step(h, x[:, t], dt[:, t], A, B[:, t], C[:, t], D)
-        ys.append(y)
-    return torch.stack(ys, dim=1), h
+    return scan_tokens(ssd_state_step, x, dt, A, B, C, D, h)
 
 
-def ssd_chunked(
+def ssd_chunked_(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -60,8 +75,9 @@ def ssd_chunked(
     h: torch.Tensor,
     *,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SSD chunked algorithm (Dao & Gu 2024, listing 1) with an input state; returns ``(y, h)``.
+) -> torch.Tensor:
+    """The SSD chunked algorithm (Dao & Gu 2024, listing 1) from the state ``h``, which is updated in place
+    to the state after the last token; returns ``y`` ``[Bs, L, H, P]``.
 
     Inside a chunk, outputs are ``(C B^T o L) (x dt)`` with ``L[l, s] = exp(sum_{s<k<=l} dt_k A)``; chunk
     boundary states are carried by a short loop over chunks (``L / chunk_size`` steps, not ``L``).
@@ -70,8 +86,7 @@ def ssd_chunked(
     n_group, d_state = B.shape[2], B.shape[3]
     rep = n_head // n_group
     if n_tokens == 1:
-        y, h = ssd_state_step(h, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
-        return y.unsqueeze(1), h
+        return ssd_state_update_(h, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D).unsqueeze(1)
     q = min(chunk_size, n_tokens)
     pad = (-n_tokens) % q
     nc = (n_tokens + pad) // q
@@ -108,5 +123,21 @@ def ssd_chunked(
     # 4. the start state's contribution to every position, decayed from the chunk start
     y_off = torch.einsum("bclgn,bcgrpn->bclgrp", Cc, start_states) * torch.exp(acs).unsqueeze(-1)
     y = (y + y_off).reshape(n_seqs, nc * q, n_head, head_dim)[:, :n_tokens]
-    y = torch.addcmul(y, x, D.unsqueeze(-1))
-    return y, state.reshape(n_seqs, n_head, head_dim, d_state)
+    h.copy_(state.view(h.shape))
+    return torch.addcmul(y, x, D.unsqueeze(-1))
+
+
+def ssd_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ssd_chunked_` on a copy of ``h``; returns ``(y [Bs, L, H, P], h after the last token)``."""
+    h = h.clone()
+    return ssd_chunked_(x, dt, A, B, C, D, h, chunk_size=chunk_size), h

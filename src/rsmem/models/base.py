@@ -1,0 +1,99 @@
+"""What Mamba and Mamba-2 share: weight preparation and the per-layer forward skeleton.
+
+Each architecture keeps its mixer (and how its state rows are viewed) in its own module; this one holds
+the residual stream around it: embedding, per layer ``read_states`` -> ``rms_norm`` -> mixer ->
+``write_states`` -> residual, then the output rows, the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from rsmem.batch.batch import UBatch
+from rsmem.models.ops.common import linear, output_rows, transposed
+from rsmem.models.ops.norm import rms_norm
+from rsmem.models.protocol import StateAccess
+
+
+def prepare_layer(layer: Any, matrices: tuple[str, ...], dtype: torch.dtype) -> Any:
+    """A copy of a slotted layer record: ``matrices`` transposed to ``[in, out]`` in ``dtype``
+    (see :func:`~rsmem.models.ops.common.linear`), every other tensor float32 and contiguous."""
+    return type(layer)(
+        **{
+            name: transposed(getattr(layer, name), dtype)
+            if name in matrices
+            else getattr(layer, name).to(torch.float32).contiguous()
+            for name in layer.__slots__
+        }
+    )
+
+
+class MambaFamilyModel:
+    """The model around a Mamba-style mixer; implements :class:`~rsmem.models.protocol.RecurrentModel`.
+
+    Matrices are kept in ``dtype`` (float32 or bfloat16); norms, conv, ``A``, ``D`` and the scans stay
+    float32, as do the residual stream and the states. Subclasses set ``arch`` and ``matrices``, pass the
+    shapes of their states, and define :meth:`mixer`.
+    """
+
+    arch: ClassVar[str]
+    matrices: ClassVar[tuple[str, ...]]  # layer fields held transposed, [in, out], in the compute dtype
+
+    def __init__(
+        self,
+        config: Any,
+        weights: Any,
+        *,
+        dtype: torch.dtype,
+        conv_channels: int,
+        state_shape: tuple[int, ...],
+    ):
+        """``conv_channels``: channels of the conv window (``r`` is ``[conv_channels, d_conv-1]`` per
+        sequence); ``state_shape``: one sequence's SSM state ``s``."""
+        self.config = config
+        self.dtype = dtype
+        self.n_vocab = config.n_vocab
+        self.n_layer = config.n_layer
+        self.n_embd_r = (config.d_conv - 1) * conv_channels
+        self.n_embd_s = math.prod(state_shape)
+        self._window_shape = (conv_channels, config.d_conv - 1)
+        self._state_shape = state_shape
+        self.tokenizer = None  # set by the loaders when the file carries one
+        self.embedding = weights.embedding.to(torch.float32)
+        self.norm_f = weights.norm_f.to(torch.float32)
+        tied = weights.lm_head is weights.embedding
+        # transposed copy [in, out] (see ops.common.linear); a tied head costs one extra copy
+        self.lm_head = transposed(weights.embedding if tied else weights.lm_head, dtype)
+        self.layers = [prepare_layer(layer, self.matrices, dtype) for layer in weights.layers]
+
+    def is_recurrent_layer(self, il: int) -> bool:
+        return True
+
+    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
+        eps = self.config.eps
+        tokens = ubatch.token_tensor()  # [Bs, L]
+        n_seqs = tokens.shape[0]
+        x = self.embedding[tokens]  # [Bs, L, d_model], a fresh tensor: the residual adds in place
+        for il, layer in enumerate(self.layers):
+            r, s = states.read_states(il)
+            window, h = self.state_views(r, s, n_seqs)
+            out = self.mixer(layer, rms_norm(x, layer.norm, eps), window, h)
+            states.write_states(il, window, h)  # no copy when they are the memory's rows
+            x += out
+        x = output_rows(x, ubatch.output_rows())
+        return linear(rms_norm(x, self.norm_f, eps), self.lm_head).float()
+
+    def state_views(self, r: torch.Tensor, s: torch.Tensor, n_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``[n_seqs, n_embd_*]`` state rows as the mixer's float32 ``(window, h)`` tensors.
+
+        Float32 rows are viewed, not copied, so a mixer that updates them in place writes the memory.
+        """
+        return r.view(n_seqs, *self._window_shape).float(), s.view(n_seqs, *self._state_shape).float()
+
+    def mixer(self, layer: Any, u: torch.Tensor, window: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The mixer over ``u`` ``[Bs, L, d_model]``: returns its output and updates the conv ``window`` and
+        the SSM state ``h`` in place to their values after the last token."""
+        raise NotImplementedError
