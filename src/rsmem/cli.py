@@ -143,8 +143,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _report_speed(engine, started)
         return 0
 
-    session = engine.open_session(args.load_state) if args.load_state else None
-    if session is not None:
+    # a session keeps the sequence (and its state) after the request, for --save-state
+    session = engine.open_session(args.load_state) if (args.load_state or args.save_state) else None
+    if args.load_state:
         sys.stderr.write(f"[restored {len(session.tokens)} tokens from {args.load_state}]\n")
     rid = engine.add_request(prompts[0], _sampling_params(args), session=session)
     if not args.load_state:
@@ -156,9 +157,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _run_with_progress(engine, rid, Progress(), emit)
     sys.stdout.write("\n")
-    if args.save_state:
-        if session is None:
-            raise RsmemError("internal: no session to save")  # pragma: no cover
+    if args.save_state and session is not None:
         size = engine.save_session(session, args.save_state)
         sys.stderr.write(
             f"[saved {len(session.tokens)} tokens of state to {args.save_state}, {size} bytes]\n"
