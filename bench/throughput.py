@@ -7,6 +7,10 @@ the interpreter given by ``--llama-python`` (a separate venv; it is not a depend
 it the whole model step reaches (matmul FLOPs of the step / step time / ceiling).
 
     python bench/throughput.py --arch both --llama-python /path/to/venv/bin/python
+
+With ``--arch both`` a last table puts the two architectures side by side. transformers' Mamba-2 has no fast
+CPU path (its decode at 64 sequences takes minutes): ``--no-transformers-mamba2`` skips it, and
+``--no-transformers`` skips transformers altogether.
 """
 
 from __future__ import annotations
@@ -170,6 +174,69 @@ def bench_llamacpp(python: str, path: Path, n_prompt: int, steps: int, threads: 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+ROWS = ("prefill", *(f"decode{n}" for n in DECODE_SEQS))
+
+
+def bench_arch(arch: str, args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Columns ``rsmem``, ``transformers``, ``llama.cpp`` (those that ran) of tokens/s by row, and rsmem's
+    step times."""
+    from transformers import Mamba2ForCausalLM, MambaForCausalLM
+
+    skip_hf = args.no_transformers or (arch == "mamba2" and args.no_transformers_mamba2)
+    cols: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "hf"
+        torch.manual_seed(0)
+        cls = MambaForCausalLM if arch == "mamba" else Mamba2ForCausalLM
+        hf_model = cls(hf_config(arch)).eval()
+        hf_model.save_pretrained(folder)
+        write_byte_tokenizer(folder, hf_model.config.vocab_size)
+        gguf_path = rsmem.convert(folder, Path(tmp) / "model-f32.gguf", "f32")
+        cols["rsmem"], step_s = bench_rsmem(gguf_path, args.prompt, args.steps)
+        if not skip_hf:
+            cols["transformers"] = bench_transformers(hf_model, args.prompt, max(4, args.steps // 2))
+        del hf_model
+        if args.llama_python:
+            try:
+                cols["llama.cpp"] = bench_llamacpp(
+                    args.llama_python, gguf_path, args.prompt, args.steps, args.threads
+                )
+            except (subprocess.CalledProcessError, ValueError) as exc:
+                print(f"llama.cpp run failed: {exc}")
+    return cols, step_s
+
+
+def ratio(cols: dict[str, dict[str, float]], row: str) -> float:
+    return cols["rsmem"][row] / cols["llama.cpp"][row] if "llama.cpp" in cols else float("nan")
+
+
+def print_arch(arch: str, cols, step_s, args: argparse.Namespace, ceilings: dict[int, float]) -> None:
+    print(f"\n{arch} 130M, f32, {args.threads} threads: tokens/s", flush=True)
+    names = list(cols)
+    print(f"{'':12}" + "".join(f"{c:>14}" for c in names) + f"{'rsmem/llama':>13}{'of ceiling':>12}")
+    for row in ROWS:
+        line = f"{row:12}" + "".join(f"{cols[c].get(row, float('nan')):14.1f}" for c in names)
+        rows = args.prompt if row == "prefill" else int(row[6:])
+        gflops = cols["rsmem"][row] * step_s["flops_per_token"] / 1e9
+        print(line + f"{ratio(cols, row):13.2f}{gflops / ceilings[rows]:12.0%}", flush=True)
+
+
+def print_side_by_side(results: dict[str, dict[str, dict[str, float]]], args: argparse.Namespace) -> None:
+    """One table: for each architecture rsmem, transformers, llama.cpp and rsmem/llama.cpp."""
+    names = ("rsmem", "transformers", "llama.cpp")
+    head = f"{'tokens/s':12}" + "".join(
+        "".join(f"{f'{arch} {n}':>{len(arch) + 14}}" for n in names) + f"{'rsmem/llama':>13}"
+        for arch in results
+    )
+    print(f"\nboth architectures, 130M, f32, {args.threads} threads, prompt {args.prompt}\n{head}")
+    for row in ROWS:
+        line = f"{row:12}"
+        for arch, cols in results.items():
+            line += "".join(f"{cols.get(n, {}).get(row, float('nan')):{len(arch) + 14}.1f}" for n in names)
+            line += f"{ratio(cols, row):13.2f}"
+        print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=["mamba", "mamba2", "both"], default="both")
@@ -178,43 +245,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per sequence count")
     ap.add_argument("--llama-python", default=None, help="python with llama-cpp-python==0.3.36 installed")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-transformers-mamba2", action="store_true", help="skip transformers' (slow) Mamba-2")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import Mamba2ForCausalLM, MambaForCausalLM
-
+    t0 = time.perf_counter()
     ceilings = {n: matmul_ceiling(n) for n in (*DECODE_SEQS, args.prompt)}
     print("torch f32 matmul ceiling (GFLOP/s):", {k: round(v, 1) for k, v in ceilings.items()})
     archs = ["mamba", "mamba2"] if args.arch == "both" else [args.arch]
+    results = {}
     for arch in archs:
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = Path(tmp) / "hf"
-            torch.manual_seed(0)
-            cls = MambaForCausalLM if arch == "mamba" else Mamba2ForCausalLM
-            hf_model = cls(hf_config(arch)).eval()
-            hf_model.save_pretrained(folder)
-            write_byte_tokenizer(folder, hf_model.config.vocab_size)
-            gguf_path = rsmem.convert(folder, Path(tmp) / "model-f32.gguf", "f32")
-            cols: dict[str, dict[str, float]] = {}
-            cols["rsmem"], step_s = bench_rsmem(gguf_path, args.prompt, args.steps)
-            if not args.no_transformers:
-                cols["transformers"] = bench_transformers(hf_model, args.prompt, max(4, args.steps // 2))
-            del hf_model
-            if args.llama_python:
-                try:
-                    cols["llama.cpp"] = bench_llamacpp(
-                        args.llama_python, gguf_path, args.prompt, args.steps, args.threads
-                    )
-                except (subprocess.CalledProcessError, ValueError) as exc:
-                    print(f"llama.cpp run failed: {exc}")
-        print(f"\n{arch} 130M, f32, {args.threads} threads: tokens/s")
-        names = list(cols)
-        print(f"{'':12}" + "".join(f"{c:>14}" for c in names) + f"{'rsmem/llama':>13}{'of ceiling':>12}")
-        for row in ["prefill", *(f"decode{n}" for n in DECODE_SEQS)]:
-            line = f"{row:12}" + "".join(f"{cols[c].get(row, float('nan')):14.1f}" for c in names)
-            ratio = cols["rsmem"][row] / cols["llama.cpp"][row] if "llama.cpp" in cols else float("nan")
-            rows = args.prompt if row == "prefill" else int(row[6:])
-            gflops = cols["rsmem"][row] * step_s["flops_per_token"] / 1e9
-            print(line + f"{ratio:13.2f}{gflops / ceilings[rows]:12.0%}")
+        results[arch], step_s = bench_arch(arch, args)
+        print_arch(arch, results[arch], step_s, args, ceilings)
+    if len(results) > 1:
+        print_side_by_side(results, args)
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ from rsmem.models.ops import (
     selective_scan,
     selective_scan_,
     selective_scan_ref,
+    ssd,
     ssd_chunked,
     ssd_chunked_,
     ssd_ref,
 )
+from rsmem.models.ops.packed import PackedMatrices, packing_enabled
 from rsmem.models.ops.selective_scan import chunk_bounds
 
 
@@ -93,8 +95,9 @@ def test_gated_norm_normalises_each_group() -> None:
 
 
 @pytest.mark.parametrize("n_tokens", [1, 6])
-def test_in_place_kernels_update_the_given_rows(n_tokens: int) -> None:
+def test_in_place_kernels_update_the_given_rows(n_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ``_`` kernels write their states into the tensors passed (views of memory rows), nothing else."""
+    monkeypatch.setattr(ssd, "STATE_BLOCK_BYTES", 1)  # decode one sequence's state at a time
     x, dt, A, B, C, D, h = _mamba_inputs(2, n_tokens, 1.0)
     rows = torch.randn(4, *h.shape[1:])
     rows[1:3] = h
@@ -119,3 +122,15 @@ def test_in_place_kernels_update_the_given_rows(n_tokens: int) -> None:
     y = causal_conv1d_(xc, window, w, b)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(window, win_ref)
+
+
+@pytest.mark.skipif(not packing_enabled(), reason="oneDNN packing unavailable")
+def test_packed_linear_matches_plain_product() -> None:
+    g = _gen(3)
+    w, other = torch.randn(24, 40, generator=g), torch.randn(24, 40, generator=g)
+    packed = PackedMatrices()
+    packed.add(w)
+    for shape in [(1, 24), (3, 24), (2, 5, 24)]:
+        x = torch.randn(*shape, generator=g)
+        torch.testing.assert_close(packed.linear(x, w), x @ w, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed.linear(x, other), x @ other)  # not packed: the plain product

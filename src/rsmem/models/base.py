@@ -13,8 +13,9 @@ from typing import Any, ClassVar
 import torch
 
 from rsmem.batch.batch import UBatch
-from rsmem.models.ops.common import linear, output_rows, transposed
+from rsmem.models.ops.common import output_rows, transposed
 from rsmem.models.ops.norm import rms_norm
+from rsmem.models.ops.packed import PackedMatrices, packing_enabled
 from rsmem.models.protocol import StateAccess
 
 
@@ -68,6 +69,13 @@ class MambaFamilyModel:
         # transposed copy [in, out] (see ops.common.linear); a tied head costs one extra copy
         self.lm_head = transposed(weights.embedding if tied else weights.lm_head, dtype)
         self.layers = [prepare_layer(layer, self.matrices, dtype) for layer in weights.layers]
+        self.packed = PackedMatrices()  # faster twins for several rows (see ops.packed)
+        if packing_enabled():
+            for matrix in [
+                self.lm_head,
+                *(getattr(ly, name) for ly in self.layers for name in self.matrices),
+            ]:
+                self.packed.add(matrix)
 
     def is_recurrent_layer(self, il: int) -> bool:
         return True
@@ -84,7 +92,11 @@ class MambaFamilyModel:
             states.write_states(il, window, h)  # no copy when they are the memory's rows
             x += out
         x = output_rows(x, ubatch.output_rows())
-        return linear(rms_norm(x, self.norm_f, eps), self.lm_head).float()
+        return self.linear(rms_norm(x, self.norm_f, eps), self.lm_head).float()
+
+    def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+        """``x @ weight_t`` for a matrix ``[in, out]`` of this model, as float32 (ops.common, ops.packed)."""
+        return self.packed.linear(x, weight_t)
 
     def state_views(self, r: torch.Tensor, s: torch.Tensor, n_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``[n_seqs, n_embd_*]`` state rows as the mixer's float32 ``(window, h)`` tensors.

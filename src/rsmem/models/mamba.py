@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.models.base import MambaFamilyModel
-from rsmem.models.ops.common import linear
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.selective_scan import selective_scan_
 
@@ -90,9 +89,9 @@ class MambaModel(MambaFamilyModel):
     ) -> torch.Tensor:
         """The selective SSM block over ``u`` ``[Bs, L, d_model]``; updates ``window`` and ``h`` in place."""
         cfg = self.config
-        xs, z = linear(u, layer.in_proj).split(cfg.d_inner, dim=-1)
+        xs, z = self.linear(u, layer.in_proj).split(cfg.d_inner, dim=-1)
         xc = F.silu(causal_conv1d_(xs, window, layer.conv_weight, layer.conv_bias))
-        dt_low, B, C = linear(xc, layer.x_proj).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
+        dt_low, B, C = self.linear(xc, layer.x_proj).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
         dt = F.softplus(F.linear(dt_low, layer.dt_proj, layer.dt_bias))
         y = selective_scan_(xc, dt, layer.A, B, C, layer.D, h)
-        return linear(y.mul_(F.silu(z)), layer.out_proj)
+        return self.linear(y.mul_(F.silu(z)), layer.out_proj)

