@@ -35,7 +35,7 @@ path, n_prompt, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 L.llama_backend_init()
 model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
 cp = L.llama_context_default_params()
-cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 8192, n_prompt, n_prompt, 64
+cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 8192, max(n_prompt, 64), max(n_prompt, 64), 64
 cp.n_threads = cp.n_threads_batch = threads
 ctx = L.llama_init_from_model(model, cp)
 mem = L.llama_get_memory(ctx)
@@ -222,18 +222,17 @@ def print_arch(arch: str, cols, step_s, args: argparse.Namespace, ceilings: dict
 
 
 def print_side_by_side(results: dict[str, dict[str, dict[str, float]]], args: argparse.Namespace) -> None:
-    """One table: for each architecture rsmem, transformers, llama.cpp and rsmem/llama.cpp."""
-    names = ("rsmem", "transformers", "llama.cpp")
-    head = f"{'tokens/s':12}" + "".join(
-        "".join(f"{f'{arch} {n}':>{len(arch) + 14}}" for n in names) + f"{'rsmem/llama':>13}"
-        for arch in results
-    )
-    print(f"\nboth architectures, 130M, f32, {args.threads} threads, prompt {args.prompt}\n{head}")
+    """One table: for each architecture rsmem, transformers, llama.cpp and rsmem / llama.cpp."""
+    names, widths = ("rsmem", "transformers", "llama.cpp"), (9, 14, 11, 13)
+    block = sum(widths)
+    print(f"\nboth architectures, 130M, f32, {args.threads} threads, prompt {args.prompt}: tokens/s")
+    print(f"{'':12}" + "".join(f"{arch:>{block}}" for arch in results))
+    print(f"{'':12}" + "".join(f"{n:>{w}}" for n, w in zip((*names, "rsmem/llama"), widths)) * len(results))
     for row in ROWS:
         line = f"{row:12}"
-        for arch, cols in results.items():
-            line += "".join(f"{cols.get(n, {}).get(row, float('nan')):{len(arch) + 14}.1f}" for n in names)
-            line += f"{ratio(cols, row):13.2f}"
+        for cols in results.values():
+            line += "".join(f"{cols.get(n, {}).get(row, float('nan')):{w}.1f}" for n, w in zip(names, widths))
+            line += f"{ratio(cols, row):{widths[-1]}.2f}"
         print(line)
 
 
