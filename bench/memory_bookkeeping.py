@@ -6,6 +6,9 @@ model performs through the memory context (zero row, ``s_copy`` gather, scatter 
 every layer. The model itself is replaced by nothing, so what is measured is pure overhead.
 State rows are Mamba-130M sized (24 layers, d_inner 1536, d_state 16, d_conv 4), f32.
 
+Side by side, "gather all" times the alternative that llama.cpp's graph uses: every row of the
+touched range gathered through ``s_copy`` on every step, whether it moved or not.
+
 Two workloads: "steady" (the same N sequences step after step, cells already in place) and "churn"
 (each step one sequence is dropped and a fresh one forked from another, so find_slot copies and
 reorders cells).
@@ -44,11 +47,19 @@ def one_step(
         r, s = mctx.read_states(il)
         mctx.write_states(il, r, s)
     t4 = time.perf_counter()
+    # the alternative: llama.cpp's graph gathers every row [head, head+n) through s_copy each step
+    index = mctx.copy_index()
+    head = mctx.head
+    for il in range(N_LAYER):
+        for t in (memory.r_l[il], memory.s_l[il]):
+            t[head : head + len(index)] = t.index_select(0, index)
+    t5 = time.perf_counter()
     mctx.next()
     times["allocator"] += t1 - t0
     times["init_batch"] += t2 - t1
     times["apply"] += t3 - t2
     times["states"] += t4 - t3
+    times["gather all"] += t5 - t4
 
 
 def run(n_seqs: int, steps: int, churn: bool) -> dict[str, float]:
@@ -76,9 +87,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cols = ["allocator", "init_batch", "apply", "states"]
     print(f"memory bookkeeping per decode step, microseconds (mean of {args.steps} steps)")
-    print("states = zero row + s_copy gather + scatter, 24 layers of Mamba-130M-sized rows")
+    print("states = zero row + moving the rows whose source is elsewhere, 24 layers of Mamba-130M-sized rows")
+    print(
+        "gather all = the alternative, llama.cpp's way: every row of [head, head+n) gathered through s_copy"
+    )
     header = f"{'workload':>8} {'seqs':>5} " + " ".join(f"{c:>11}" for c in cols)
-    header += f" {'total':>10} {'per seq':>9}"
+    header += f" {'total':>10} {'per seq':>9} {'gather all':>11}"
     print(header)
     print("-" * len(header))
     for churn in (False, True):
@@ -86,7 +100,7 @@ def main() -> None:
             t = run(n, args.steps, churn)
             total = sum(t[c] for c in cols)
             row = f"{'churn' if churn else 'steady':>8} {n:>5} " + " ".join(f"{t[c]:>11.1f}" for c in cols)
-            print(row + f" {total:>10.1f} {total / n:>9.2f}")
+            print(row + f" {total:>10.1f} {total / n:>9.2f} {t['gather all']:>11.1f}")
 
 
 if __name__ == "__main__":
