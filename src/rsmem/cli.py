@@ -60,12 +60,20 @@ def _sampling_params(args: argparse.Namespace, **overrides):
     return SamplingParams(**fields)
 
 
-def _load(args: argparse.Namespace, n_seq_max: int):
-    from rsmem.engine import LLM, default_model_path
+def _model_path(model: str | None) -> Path:
+    """The model named on the command line, or the embedded one; it must exist."""
+    from rsmem.engine import default_model_path
 
-    path = Path(args.model) if args.model else default_model_path()
+    path = Path(model) if model else default_model_path()
     if not path.exists():
         raise RsmemError(f"model not found: {path}")
+    return path
+
+
+def _load(args: argparse.Namespace, n_seq_max: int):
+    from rsmem.engine import LLM
+
+    path = _model_path(args.model)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     llm = LLM(path, n_seq_max=n_seq_max, n_batch=512, dtype=dtype, n_threads=args.threads)
     if llm.tokenizer is None:
@@ -210,11 +218,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from rsmem.engine import default_model_path, load_text_model
+    from rsmem.engine import load_text_model
 
-    path = Path(args.model) if args.model else default_model_path()
-    if not path.exists():
-        raise RsmemError(f"model not found: {path}")
+    path = _model_path(args.model)
     model, tokenizer = load_text_model(path)
     cfg = model.config
     tensors = [model.embedding, model.norm_f] + [getattr(ly, f) for ly in model.layers for f in ly.__slots__]
@@ -269,7 +275,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from rsmem.benchmark import format_table, measure
-    from rsmem.engine import default_model_path, load_text_model
+    from rsmem.engine import load_text_model
     from rsmem.models.random_init import mamba2_130m, mamba_130m
 
     if args.threads:
@@ -277,9 +283,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     progress = Progress(enabled=True)
     parallel = tuple(args.parallel)
     results = []
-    path = Path(args.model) if args.model else default_model_path()
-    if not path.exists():
-        raise RsmemError(f"model not found: {path}")
+    path = _model_path(args.model)
     model, _ = load_text_model(path)
     name = "default model" if not args.model else path.name
     results.append(
@@ -318,10 +322,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from rsmem.server import ChatTemplate, EngineRunner, ServerSettings, create_app, load_chat_template
 
     llm = _load(args, n_seq_max=args.parallel)
-    path = Path(args.model) if args.model else None
-    from rsmem.engine import default_model_path
-
-    model_path = path or default_model_path()
+    model_path = _model_path(args.model)
     slot_dir = Path(args.slot_save_path) if args.slot_save_path else None
     if slot_dir is not None:
         slot_dir.mkdir(parents=True, exist_ok=True)
