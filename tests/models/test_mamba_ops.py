@@ -18,7 +18,7 @@ from rsmem.models.ops import (
     ssd_chunked_,
     ssd_ref,
 )
-from rsmem.models.ops.packed import PackedMatrices, packing_enabled
+from rsmem.models.ops.packed import ONE_ROW_MIN_NUMEL, PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.ops.selective_scan import chunk_bounds
 
 
@@ -134,3 +134,19 @@ def test_packed_linear_matches_plain_product() -> None:
         x = torch.randn(*shape, generator=g)
         torch.testing.assert_close(packed.linear(x, w), x @ w, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(packed.linear(x, other), x @ other)  # not packed: the plain product
+
+
+@pytest.mark.skipif(not packing_enabled(), reason="oneDNN packing unavailable")
+def test_packed_linear_one_row_on_held_matrix() -> None:
+    """A matrix held as the view of its ``[out, in]`` original: one row goes through oneDNN on that matrix
+    (large enough) or the plain product (small), several rows through the packed twin."""
+    g = _gen(4)
+    packed = PackedMatrices()
+    for n_in, n_out in [(ONE_ROW_MIN_NUMEL // 256, 256), (24, 40)]:
+        weight = torch.randn(n_out, n_in, generator=g)
+        w = held_matrix(weight, torch.float32, packing=True)
+        assert w.shape == (n_in, n_out) and w.data_ptr() == weight.data_ptr()  # a view, no copy
+        packed.add(w)
+        for shape in [(1, n_in), (1, 1, n_in), (3, n_in), (2, 5, n_in)]:
+            x = torch.randn(*shape, generator=g)
+            torch.testing.assert_close(packed.linear(x, w), x @ weight.t(), rtol=1e-4, atol=1e-4)

@@ -13,18 +13,18 @@ from typing import Any, ClassVar
 import torch
 
 from rsmem.batch.batch import UBatch
-from rsmem.models.ops.common import output_rows, transposed
+from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.norm import rms_norm
-from rsmem.models.ops.packed import PackedMatrices, packing_enabled
+from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.protocol import StateAccess
 
 
-def prepare_layer(layer: Any, matrices: tuple[str, ...], dtype: torch.dtype) -> Any:
-    """A copy of a slotted layer record: ``matrices`` transposed to ``[in, out]`` in ``dtype``
-    (see :func:`~rsmem.models.ops.common.linear`), every other tensor float32 and contiguous."""
+def prepare_layer(layer: Any, matrices: tuple[str, ...], dtype: torch.dtype, packing: bool = False) -> Any:
+    """A copy of a slotted layer record: ``matrices`` as ``[in, out]`` tensors in ``dtype`` (see
+    :func:`~rsmem.models.ops.packed.held_matrix`), every other tensor float32 and contiguous."""
     return type(layer)(
         **{
-            name: transposed(getattr(layer, name), dtype)
+            name: held_matrix(getattr(layer, name), dtype, packing)
             if name in matrices
             else getattr(layer, name).to(torch.float32).contiguous()
             for name in layer.__slots__
@@ -66,11 +66,13 @@ class MambaFamilyModel:
         self.embedding = weights.embedding.to(torch.float32)
         self.norm_f = weights.norm_f.to(torch.float32)
         tied = weights.lm_head is weights.embedding
-        # transposed copy [in, out] (see ops.common.linear); a tied head costs one extra copy
-        self.lm_head = transposed(weights.embedding if tied else weights.lm_head, dtype)
-        self.layers = [prepare_layer(layer, self.matrices, dtype) for layer in weights.layers]
-        self.packed = PackedMatrices()  # faster twins for several rows (see ops.packed)
-        if packing_enabled():
+        packing = packing_enabled()
+        # [in, out] (see ops.packed.held_matrix): with packing, a view of the [out, in] matrix, so a tied
+        # float32 head shares the embedding; without, a transposed copy
+        self.lm_head = held_matrix(self.embedding if tied else weights.lm_head, dtype, packing)
+        self.layers = [prepare_layer(layer, self.matrices, dtype, packing) for layer in weights.layers]
+        self.packed = PackedMatrices()  # faster twins (see ops.packed)
+        if packing:
             for matrix in [
                 self.lm_head,
                 *(getattr(ly, name) for ly in self.layers for name in self.matrices),

@@ -13,8 +13,10 @@ StateStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 def linear(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """``x @ weight_t`` in the weight's dtype (bf16 matrices), returned as float32 for the residual stream.
 
-    Models keep their matrices transposed, ``[in, out]`` contiguous: on CPU the plain product is up to
-    ~2x faster than ``F.linear`` on ``[out, in]`` for one or a few rows (decode), measured with torch 2.13.
+    Without oneDNN packing models keep their matrices transposed, ``[in, out]`` contiguous: on CPU the plain
+    product is up to ~2x faster than ``F.linear`` on ``[out, in]`` for one or a few rows (decode), measured
+    with torch 2.13. With packing they hold ``[in, out]`` views of ``[out, in]`` float32 matrices instead
+    (see :mod:`rsmem.models.ops.packed`), which reach this function only for small ones.
     """
     if weight_t.dtype == x.dtype:
         return torch.matmul(x, weight_t)

@@ -1,8 +1,12 @@
-"""oneDNN-packed copies of the float32 matrices, for products of several rows (batched decode, prefill).
+"""oneDNN copies of the float32 matrices: a packed twin for products of several rows (batched decode,
+prefill) and, for one row (single-sequence decode), the plain ``[out, in]`` matrix itself.
 
-Measured on this machine kind (torch 2.13, f32): oneDNN's blocked weights multiply 8 to 512 rows 1.3-2.5x
-faster than MKL's plain ``matmul``; for one row the plain product is as fast or faster, so it stays. A
-packed copy doubles those matrices' memory; ``RSMEM_ONEDNN=0`` in the environment turns packing off.
+Measured on this machine kind (torch 2.13, f32, 2 threads): oneDNN's blocked weights multiply 8 to 512
+rows 1.3-2.5x faster than MKL's plain ``matmul``. For one row MKL's product runs on one core (~22 GB/s of
+weights on this machine) while oneDNN's, on the plain ``[out, in]`` matrix, uses both (~30 GB/s; the packed
+twin is slower there): models with packing hold their matrices ``[out, in]`` contiguous and pass their
+``[in, out]`` transposed views (see :func:`held_matrix`), so the one-row path costs no extra copy. A packed
+copy doubles those matrices' memory; ``RSMEM_ONEDNN=0`` in the environment turns packing off.
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ import os
 
 import torch
 
-from rsmem.models.ops.common import linear
+from rsmem.models.ops.common import linear, transposed
 
 PACK_ROWS = 8  # the row count oneDNN picks its blocking for; any count runs, 8..512 all gain
+# One row through oneDNN from this many weights up; below it the call overhead (~20 us) outweighs the
+# second core, and the plain product on the [out, in] matrix is faster (e.g. Mamba's x_proj, 123k).
+ONE_ROW_MIN_NUMEL = 1 << 18
 
 
 def packing_enabled() -> bool:
@@ -24,23 +31,46 @@ def packing_enabled() -> bool:
     )
 
 
+def held_matrix(weight: torch.Tensor, dtype: torch.dtype, packing: bool) -> torch.Tensor:
+    """How a model holds a ``[out, in]`` matrix: as an ``[in, out]`` tensor for :meth:`PackedMatrices.linear`.
+
+    With ``packing`` (float32 only) it is the transposed view of the ``[out, in]`` contiguous matrix, which
+    the one-row oneDNN product takes as it is (a float32 contiguous ``weight`` is not even copied);
+    otherwise the ``[in, out]`` contiguous copy that :func:`~rsmem.models.ops.common.linear` prefers.
+    """
+    if packing and dtype == torch.float32:
+        return weight.to(torch.float32).contiguous().t()
+    return transposed(weight, dtype)
+
+
 class PackedMatrices:
-    """Packed twins of ``[in, out]`` float32 matrices; :meth:`linear` uses them for more than one row."""
+    """oneDNN twins of ``[in, out]`` float32 matrices; :meth:`linear` uses them where they are faster."""
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight_t) -> (weight_t, packed)
+        # id(weight_t) -> (weight_t, packed, plain [out, in] contiguous or None)
+        self._by_id: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
 
     def add(self, weight_t: torch.Tensor) -> None:
-        """Pack ``weight_t`` ``[in, out]`` if it is a float32 CPU matrix (others use the plain product)."""
+        """Pack ``weight_t`` ``[in, out]`` if it is a float32 CPU matrix (others use the plain product).
+
+        When ``weight_t`` is the transposed view of a contiguous ``[out, in]`` matrix (:func:`held_matrix`),
+        one-row products of large matrices go through oneDNN on that matrix too."""
         if weight_t.dtype != torch.float32 or weight_t.device.type != "cpu":
             return
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), PACK_ROWS)
-        self._by_id[id(weight_t)] = (weight_t, packed)
+        weight = weight_t.t()
+        plain = weight if weight.is_contiguous() and weight_t.numel() >= ONE_ROW_MIN_NUMEL else None
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+        self._by_id[id(weight_t)] = (weight_t, packed, plain)
 
     def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
         """``x @ weight_t`` as :func:`~rsmem.models.ops.common.linear` computes it, through the packed
-        twin when there is one and ``x`` has more than one row."""
+        twin when there is one and ``x`` has more than one row, through the plain ``[out, in]`` matrix
+        when ``x`` has one row and the matrix is large and held that way."""
         entry = self._by_id.get(id(weight_t))
-        if entry is None or entry[0] is not weight_t or x.numel() == x.shape[-1] or x.dtype != torch.float32:
+        if entry is None or entry[0] is not weight_t or x.dtype != torch.float32:
             return linear(x, weight_t)
+        if x.numel() == x.shape[-1]:  # one row
+            if entry[2] is None:
+                return linear(x, weight_t)
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[2], None, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[1], None, "none", [], "")
