@@ -18,7 +18,7 @@ from rsmem.models.ops import (
     ssd_chunked_,
     ssd_ref,
 )
-from rsmem.models.ops.packed import ONE_ROW_MIN_NUMEL, PackedMatrices, held_matrix, packing_enabled
+from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.ops.selective_scan import chunk_bounds
 
 
@@ -138,11 +138,11 @@ def test_packed_linear_matches_plain_product() -> None:
 
 @pytest.mark.skipif(not packing_enabled(), reason="oneDNN packing unavailable")
 def test_packed_linear_one_row_on_held_matrix() -> None:
-    """A matrix held as the view of its ``[out, in]`` original: one row goes through oneDNN on that matrix
-    (large enough) or the plain product (small), several rows through the packed twin."""
+    """A matrix held as the view of its ``[out, in]`` original: one row goes through oneDNN on that matrix,
+    several rows through the packed twin."""
     g = _gen(4)
     packed = PackedMatrices()
-    for n_in, n_out in [(ONE_ROW_MIN_NUMEL // 256, 256), (24, 40)]:
+    for n_in, n_out in [(1024, 256), (24, 40)]:
         weight = torch.randn(n_out, n_in, generator=g)
         w = held_matrix(weight, torch.float32, packing=True)
         assert w.shape == (n_in, n_out) and w.data_ptr() == weight.data_ptr()  # a view, no copy

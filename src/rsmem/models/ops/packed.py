@@ -18,9 +18,6 @@ import torch
 from rsmem.models.ops.common import linear, transposed
 
 PACK_ROWS = 8  # the row count oneDNN picks its blocking for; any count runs, 8..512 all gain
-# One row through oneDNN from this many weights up; below it the call overhead (~20 us) outweighs the
-# second core, and the plain product on the [out, in] matrix is faster (e.g. Mamba's x_proj, 123k).
-ONE_ROW_MIN_NUMEL = 1 << 18
 
 
 def packing_enabled() -> bool:
@@ -54,18 +51,19 @@ class PackedMatrices:
         """Pack ``weight_t`` ``[in, out]`` if it is a float32 CPU matrix (others use the plain product).
 
         When ``weight_t`` is the transposed view of a contiguous ``[out, in]`` matrix (:func:`held_matrix`),
-        one-row products of large matrices go through oneDNN on that matrix too."""
+        one-row products go through oneDNN on that matrix too: in a decode step every matrix streams from
+        memory, and even Mamba's small ``x_proj`` (123k weights) gains over the plain product."""
         if weight_t.dtype != torch.float32 or weight_t.device.type != "cpu":
             return
         weight = weight_t.t()
-        plain = weight if weight.is_contiguous() and weight_t.numel() >= ONE_ROW_MIN_NUMEL else None
+        plain = weight if weight.is_contiguous() else None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
         self._by_id[id(weight_t)] = (weight_t, packed, plain)
 
     def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
         """``x @ weight_t`` as :func:`~rsmem.models.ops.common.linear` computes it, through the packed
         twin when there is one and ``x`` has more than one row, through the plain ``[out, in]`` matrix
-        when ``x`` has one row and the matrix is large and held that way."""
+        when ``x`` has one row and the matrix is held that way."""
         entry = self._by_id.get(id(weight_t))
         if entry is None or entry[0] is not weight_t or x.dtype != torch.float32:
             return linear(x, weight_t)
