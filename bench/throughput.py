@@ -8,7 +8,9 @@ it the whole model step reaches (matmul FLOPs of the step / step time / ceiling)
 
     python bench/throughput.py --arch both --llama-python /path/to/venv/bin/python
 
-With ``--arch both`` a last table puts the two architectures side by side. transformers' Mamba-2 has no fast
+``RSMEM_COMPILE=1`` in the environment benchmarks rsmem's compiled one-row products (see
+``rsmem.models.ops.packed``; compiled during the untimed first decode step). With ``--arch both`` a last
+table puts the two architectures side by side. transformers' Mamba-2 has no fast
 CPU path (its decode at 64 sequences takes minutes): ``--no-transformers-mamba2`` skips it, and
 ``--no-transformers`` skips transformers altogether.
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 import rsmem
+from rsmem.models.ops.packed import compile_enabled
 
 DECODE_SEQS = (1, 8, 64)
 
@@ -211,7 +214,8 @@ def ratio(cols: dict[str, dict[str, float]], row: str) -> float:
 
 
 def print_arch(arch: str, cols, step_s, args: argparse.Namespace, ceilings: dict[int, float]) -> None:
-    print(f"\n{arch} 130M, f32, {args.threads} threads: tokens/s", flush=True)
+    compiled = ", RSMEM_COMPILE=1" if compile_enabled() else ""
+    print(f"\n{arch} 130M, f32, {args.threads} threads{compiled}: tokens/s", flush=True)
     names = list(cols)
     print(f"{'':12}" + "".join(f"{c:>14}" for c in names) + f"{'rsmem/llama':>13}{'of ceiling':>12}")
     for row in ROWS:

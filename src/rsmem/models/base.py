@@ -15,7 +15,13 @@ import torch
 from rsmem.batch.batch import UBatch
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.norm import rms_norm
-from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
+from rsmem.models.ops.packed import (
+    PackedMatrices,
+    compile_enabled,
+    compiled_gemv,
+    held_matrix,
+    packing_enabled,
+)
 from rsmem.models.protocol import StateAccess
 
 
@@ -71,7 +77,8 @@ class MambaFamilyModel:
         # float32 head shares the embedding; without, a transposed copy
         self.lm_head = held_matrix(self.embedding if tied else weights.lm_head, dtype, packing)
         self.layers = [prepare_layer(layer, self.matrices, dtype, packing) for layer in weights.layers]
-        self.packed = PackedMatrices()  # faster twins (see ops.packed)
+        # faster twins (see ops.packed); RSMEM_COMPILE=1: one-row products by a compiled kernel
+        self.packed = PackedMatrices(compiled_gemv() if packing and compile_enabled() else None)
         if packing:
             for matrix in [
                 self.lm_head,
