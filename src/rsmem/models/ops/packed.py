@@ -10,8 +10,9 @@ copy doubles those matrices' memory; ``RSMEM_ONEDNN=0`` in the environment turns
 
 ``RSMEM_COMPILE=1`` (opt-in) computes those one-row products of the large matrices with one kernel that
 ``torch.compile`` (inductor, dynamic shapes: compiled once, a few seconds, at the first decode step) builds
-from :func:`gemv`: a reduction parallel over the output rows, 5-15% faster than oneDNN's alone and
-1.3-1.4x the single-sequence decode of the 130M models in A/B runs here (batched decode, prefill: same).
+from :func:`gemv`: a reduction parallel over the output rows, 5-15% faster than oneDNN's alone. On the
+130M models (separate processes, alternated) single-sequence decode gains ~15% for Mamba-2, ~2% (noise)
+for Mamba; batched decode and prefill do not use it.
 """
 
 from __future__ import annotations
