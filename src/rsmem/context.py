@@ -87,7 +87,7 @@ class Context:
                         break
         except BaseException:
             # Some states may be half-written: drop the batch's sequences rather than keep bad state.
-            for seq in balloc.seq_pos_min_in_batch():
+            for seq in {s for ids in balloc.seq_ids for s in ids}:
                 self.memory.seq_rm(seq, -1, -1)
             raise
         self._logits = logits

@@ -167,14 +167,6 @@ class BatchAllocator:
     def n_outputs(self) -> int:
         return sum(self.outputs)
 
-    def seq_pos_min_in_batch(self) -> dict[int, int]:
-        """Lowest position of each sequence in the batch."""
-        out: dict[int, int] = {}
-        for p, ids in zip(self.pos, self.seq_ids):
-            for s in ids:
-                out[s] = min(out.get(s, p), p)
-        return out
-
     # ---------------------------------------------------------------- splits
 
     def split_reset(self) -> None:

@@ -238,7 +238,7 @@ class Engine:
             return
         prompt = reuse_for.prompt_tokens if reuse_for is not None else []
         if len(tokens) < len(prompt) and prompt[: len(tokens)] == tokens and reuse_for is not None:
-            reuse_for.n_prefilled = reuse_for.cached_tokens = len(tokens)
+            reuse_for.n_prefilled = len(tokens)
             self.stats.cached_prompt_tokens += len(tokens)
             return
         self.ctx.memory.seq_rm(seq, -1, -1)
@@ -286,7 +286,6 @@ class Engine:
                 for c in req.completions[1:]:
                     self.ctx.memory.seq_cp(req.prefill_seq, c.seq_id)
                 req.phase = Phase.DECODE
-                req.first_token_time = time.monotonic()
                 for c in req.completions:
                     logit_rows.append(k)
                     targets.append((req, c))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -69,11 +68,8 @@ class Request:
     prompt_text: str | None = None
     phase: Phase = Phase.WAITING
     n_prefilled: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
     session: Session | None = None
     slot: int | None = None  # a sequence id the request must run in (its first completion)
-    cached_tokens: int = 0  # prompt tokens whose state was reused instead of processed
 
     @property
     def finished(self) -> bool:
