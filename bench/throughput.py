@@ -8,8 +8,9 @@ it the whole model step reaches (matmul FLOPs of the step / step time / ceiling)
 
     python bench/throughput.py --arch both --llama-python /path/to/venv/bin/python
 
-``RSMEM_COMPILE=1`` in the environment benchmarks rsmem's compiled one-row products (see
-``rsmem.models.ops.packed``; compiled during the untimed first decode step). With ``--arch both`` a last
+rsmem's decode steps run through ``torch.compile`` as they do by default for models of this size
+(``rsmem.models.compiled``; compiled during the untimed first decode step of each kind); ``--compile 0``
+benchmarks the eager path instead. With ``--arch both`` a last
 table puts the two architectures side by side. transformers' Mamba-2 has no fast
 CPU path (its decode at 64 sequences takes minutes): ``--no-transformers-mamba2`` skips it, and
 ``--no-transformers`` skips transformers altogether.
@@ -27,7 +28,6 @@ from pathlib import Path
 import torch
 
 import rsmem
-from rsmem.models.ops.packed import compile_enabled
 
 DECODE_SEQS = (1, 8, 64)
 
@@ -125,8 +125,10 @@ def matmul_flops_per_token(model) -> int:
     return 2 * (n + model.lm_head.numel())
 
 
-def bench_rsmem(path: Path, n_prompt: int, steps: int) -> tuple[dict[str, float], dict[str, float]]:
-    model = rsmem.load_model(path)
+def bench_rsmem(
+    path: Path, n_prompt: int, steps: int, compile_setting: str
+) -> tuple[dict[str, float], dict[str, float]]:
+    model = rsmem.load_model(path, compile=compile_setting)
     res, step_s = {}, {}
     prompt = [(7 * i) % 50000 + 1 for i in range(n_prompt)]
 
@@ -149,6 +151,7 @@ def bench_rsmem(path: Path, n_prompt: int, steps: int) -> tuple[dict[str, float]
         res[f"decode{n}"] = n / dt
         step_s[f"decode{n}"] = dt
     step_s["flops_per_token"] = matmul_flops_per_token(model)
+    step_s["compiled"] = float(model.compile_decode)
     return res, step_s
 
 
@@ -195,7 +198,7 @@ def bench_arch(arch: str, args: argparse.Namespace) -> tuple[dict[str, dict[str,
         hf_model.save_pretrained(folder)
         write_byte_tokenizer(folder, hf_model.config.vocab_size)
         gguf_path = rsmem.convert(folder, Path(tmp) / "model-f32.gguf", "f32")
-        cols["rsmem"], step_s = bench_rsmem(gguf_path, args.prompt, args.steps)
+        cols["rsmem"], step_s = bench_rsmem(gguf_path, args.prompt, args.steps, args.compile)
         if not skip_hf:
             cols["transformers"] = bench_transformers(hf_model, args.prompt, max(4, args.steps // 2))
         del hf_model
@@ -214,7 +217,7 @@ def ratio(cols: dict[str, dict[str, float]], row: str) -> float:
 
 
 def print_arch(arch: str, cols, step_s, args: argparse.Namespace, ceilings: dict[int, float]) -> None:
-    compiled = ", RSMEM_COMPILE=1" if compile_enabled() else ""
+    compiled = ", rsmem decode compiled" if step_s["compiled"] else ", rsmem decode eager"
     print(f"\n{arch} 130M, f32, {args.threads} threads{compiled}: tokens/s", flush=True)
     names = list(cols)
     print(f"{'':12}" + "".join(f"{c:>14}" for c in names) + f"{'rsmem/llama':>13}{'of ceiling':>12}")
@@ -247,6 +250,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per sequence count")
     ap.add_argument("--llama-python", default=None, help="python with llama-cpp-python==0.3.36 installed")
+    ap.add_argument("--compile", choices=["auto", "1", "0"], default="auto", help="rsmem's decode compile")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-transformers-mamba2", action="store_true", help="skip transformers' (slow) Mamba-2")
     args = ap.parse_args()

@@ -24,12 +24,17 @@ def hf_model(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path]:
     return request.param, model, folder
 
 
-@pytest.fixture(scope="module", params=["hf", "gguf"])
+@pytest.fixture(scope="module", params=["hf", "gguf", "compiled"])
 def loaded(request, hf_model, tmp_path_factory):
-    """(reference model, rsmem model) with rsmem loading the folder or the converted GGUF."""
+    """(reference model, rsmem model) with rsmem loading the folder or the converted GGUF; "compiled" loads
+    the folder with one-token steps through torch.compile (models.compiled), as large models run."""
     arch, ref, folder = hf_model
     if request.param == "hf":
         return ref, rsmem.load_model(folder)
+    if request.param == "compiled":
+        model = rsmem.load_model(folder, compile=True)
+        assert model.compile_decode
+        return ref, model
     path = tmp_path_factory.mktemp("gguf") / f"{arch}.gguf"
     convert_hf_to_gguf(folder, path, outtype="f32")
     return ref, rsmem.load_model(path)

@@ -18,7 +18,7 @@ from rsmem.models.ops import (
     ssd_chunked_,
     ssd_ref,
 )
-from rsmem.models.ops.packed import GEMV_MIN_NUMEL, PackedMatrices, gemv, held_matrix, packing_enabled
+from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.ops.selective_scan import chunk_bounds
 
 
@@ -150,32 +150,3 @@ def test_packed_linear_one_row_on_held_matrix() -> None:
         for shape in [(1, n_in), (1, 1, n_in), (3, n_in), (2, 5, n_in)]:
             x = torch.randn(*shape, generator=g)
             torch.testing.assert_close(packed.linear(x, w), x @ weight.t(), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.skipif(not packing_enabled(), reason="oneDNN packing unavailable")
-def test_packed_linear_one_row_through_gemv() -> None:
-    """With a ``gemv`` (the compiled one under RSMEM_COMPILE=1; here the eager function, no compile time),
-    one row of a large held matrix goes through it; a failing one falls back to oneDNN."""
-    g = _gen(5)
-    weight = torch.randn(GEMV_MIN_NUMEL // 512, 512, generator=g)
-    w = held_matrix(weight, torch.float32, packing=True)
-    calls = []
-
-    def counting_gemv(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        calls.append(m.shape)
-        return gemv(x, m)
-
-    packed = PackedMatrices(counting_gemv)
-    packed.add(w)
-    for shape in [(1, 512), (1, 1, 512), (3, 512)]:
-        x = torch.randn(*shape, generator=g)
-        torch.testing.assert_close(packed.linear(x, w), x @ weight.t(), rtol=1e-4, atol=1e-4)
-    assert calls == [weight.shape] * 2  # the one-row products only
-
-    def broken_gemv(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("no compiler")
-
-    packed = PackedMatrices(broken_gemv)
-    packed.add(w)
-    x = torch.randn(1, 512, generator=g)
-    torch.testing.assert_close(packed.linear(x, w), x @ weight.t(), rtol=1e-4, atol=1e-4)

@@ -14,6 +14,7 @@ from rsmem.loaders.convert import convert_hf_to_gguf
 from rsmem.loaders.gguf import is_gguf, read_gguf
 from rsmem.loaders.hf import is_hf_folder, read_hf
 from rsmem.loaders.tokenizer import TokenizerData, build_tokenizer
+from rsmem.models.compiled import CompileSetting
 from rsmem.models.mamba import MambaModel
 from rsmem.models.mamba2 import Mamba2Model
 
@@ -33,12 +34,18 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 
 def load_model(
-    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, n_threads: int | None = None
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    n_threads: int | None = None,
+    compile: CompileSetting = None,
 ) -> MambaModel | Mamba2Model:
     """Load a model; ``model.tokenizer`` is its ``tokenizers.Tokenizer`` when the file carries one.
 
     ``dtype`` is the matrices' compute dtype (float32 or bfloat16); ``n_threads`` sets torch's intra-op
-    thread count (process-wide), left alone when None.
+    thread count (process-wide), left alone when None. ``compile``: whether decode steps run through
+    ``torch.compile`` -- ``"auto"`` (large models, when a C++ compiler is present), True or False; None
+    reads ``RSMEM_COMPILE`` (see :mod:`rsmem.models.compiled`).
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
@@ -46,6 +53,8 @@ def load_model(
         torch.set_num_threads(n_threads)
     ckpt = read_checkpoint(path)
     model = build_model(ckpt, dtype)
+    if compile is not None:
+        model.set_compile(compile)
     if ckpt.tokenizer is not None:
         model.tokenizer = build_tokenizer(ckpt.tokenizer)
     return model

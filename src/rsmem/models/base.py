@@ -13,15 +13,11 @@ from typing import Any, ClassVar
 import torch
 
 from rsmem.batch.batch import UBatch
+from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
+from rsmem.models.ops.fused import head_one
 from rsmem.models.ops.norm import rms_norm
-from rsmem.models.ops.packed import (
-    PackedMatrices,
-    compile_enabled,
-    compiled_gemv,
-    held_matrix,
-    packing_enabled,
-)
+from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.protocol import StateAccess
 
 
@@ -77,14 +73,34 @@ class MambaFamilyModel:
         # float32 head shares the embedding; without, a transposed copy
         self.lm_head = held_matrix(self.embedding if tied else weights.lm_head, dtype, packing)
         self.layers = [prepare_layer(layer, self.matrices, dtype, packing) for layer in weights.layers]
-        # faster twins (see ops.packed); RSMEM_COMPILE=1: one-row products by a compiled kernel
-        self.packed = PackedMatrices(compiled_gemv() if packing and compile_enabled() else None)
+        self.packed = PackedMatrices()  # faster twins (see ops.packed)
+        matrices = [self.lm_head, *(getattr(ly, name) for ly in self.layers for name in self.matrices)]
         if packing:
-            for matrix in [
-                self.lm_head,
-                *(getattr(ly, name) for ly in self.layers for name in self.matrices),
-            ]:
+            for matrix in matrices:
                 self.packed.add(matrix)
+        self._n_matrix_weights = sum(m.numel() for m in matrices)
+        self.compile_decode = False
+        self.set_compile(None)
+
+    def set_compile(self, setting: CompileSetting) -> bool:
+        """Whether one-token steps run through ``torch.compile`` (see :mod:`rsmem.models.compiled`):
+        ``"auto"``, True/False or ``"1"``/``"0"``; None reads ``RSMEM_COMPILE``. Returns the decision."""
+        self.compile_decode = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
+        if self.compile_decode and not hasattr(self, "_head_one"):
+            self._head_one = CompiledStep(head_one)
+            self.make_compiled_steps()
+        return self.compile_decode
+
+    def make_compiled_steps(self) -> None:
+        """Create the architecture's :class:`~rsmem.models.compiled.CompiledStep` objects."""
+        raise NotImplementedError
+
+    def decode_layer(
+        self, layer: Any, x: torch.Tensor, window: torch.Tensor, h: torch.Tensor
+    ) -> torch.Tensor:
+        """One block for one token of every sequence through the compiled steps: ``x`` ``[Bs, d_model]``
+        -> the new residual; updates ``window`` and ``h`` in place."""
+        raise NotImplementedError
 
     def is_recurrent_layer(self, il: int) -> bool:
         return True
@@ -92,7 +108,9 @@ class MambaFamilyModel:
     def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         eps = self.config.eps
         tokens = ubatch.token_tensor()  # [Bs, L]
-        n_seqs = tokens.shape[0]
+        n_seqs, n_tokens = tokens.shape
+        if n_tokens == 1 and self.compile_decode:
+            return self.decode_forward(tokens[:, 0], ubatch, states)
         x = self.embedding[tokens]  # [Bs, L, d_model], a fresh tensor: the residual adds in place
         for il, layer in enumerate(self.layers):
             r, s = states.read_states(il)
@@ -101,6 +119,20 @@ class MambaFamilyModel:
             states.write_states(il, window, h)  # no copy when they are the memory's rows
             x += out
         x = output_rows(x, ubatch.output_rows())
+        return self.linear(rms_norm(x, self.norm_f, eps), self.lm_head).float()
+
+    def decode_forward(self, tokens: torch.Tensor, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
+        """:meth:`forward` for one token a sequence (``tokens`` ``[Bs]``) through the compiled steps."""
+        eps = self.config.eps
+        x = self.embedding[tokens]  # [Bs, d_model]
+        for il, layer in enumerate(self.layers):
+            r, s = states.read_states(il)
+            window, h = self.state_views(r, s, x.shape[0])
+            x = self.decode_layer(layer, x, window, h)
+            states.write_states(il, window, h)
+        x = output_rows(x, ubatch.output_rows())
+        if x.shape[0] == 1:
+            return self._head_one(x, self.norm_f, self.lm_head.t(), eps)
         return self.linear(rms_norm(x, self.norm_f, eps), self.lm_head).float()
 
     def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:

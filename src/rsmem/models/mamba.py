@@ -14,7 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.models.base import MambaFamilyModel
+from rsmem.models.compiled import CompiledStep
 from rsmem.models.ops.conv import causal_conv1d_
+from rsmem.models.ops.fused import conv_step_, mamba_layer_one_, mamba_ssm_step_
+from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.selective_scan import selective_scan_
 
 
@@ -95,3 +98,26 @@ class MambaModel(MambaFamilyModel):
         dt = F.softplus(F.linear(dt_low, layer.dt_proj, layer.dt_bias))
         y = selective_scan_(xc, dt, layer.A, B, C, layer.D, h)
         return self.linear(y.mul_(F.silu(z)), layer.out_proj)
+
+    def make_compiled_steps(self) -> None:
+        self._layer_one = CompiledStep(mamba_layer_one_)
+        self._conv_step = CompiledStep(conv_step_, batch_args=(0, 1))
+        self._ssm_step = CompiledStep(mamba_ssm_step_, batch_args=(0, 1, 2, 7))
+
+    def decode_layer(
+        self, layer: MambaLayer, x: torch.Tensor, window: torch.Tensor, h: torch.Tensor
+    ) -> torch.Tensor:
+        """One sequence: the whole block in one compiled function (products as fused reductions). Several:
+        the packed products eagerly, the conv and the state update compiled between them."""
+        cfg = self.config
+        ly = layer
+        if x.shape[0] == 1:
+            return self._layer_one(
+                x, ly.norm, ly.in_proj.t(), ly.conv_weight, ly.conv_bias, ly.x_proj.t(), ly.dt_proj,
+                ly.dt_bias, ly.A, ly.D, ly.out_proj.t(), window, h, cfg.eps, cfg.dt_rank, cfg.d_state,
+            )  # fmt: skip
+        xs, z = self.linear(rms_norm(x, ly.norm, cfg.eps), ly.in_proj).split(cfg.d_inner, dim=-1)
+        xc = self._conv_step(xs, window, ly.conv_weight, ly.conv_bias)
+        dbc = self.linear(xc, ly.x_proj)
+        y = self._ssm_step(dbc, xc, z, ly.dt_proj, ly.dt_bias, ly.A, ly.D, h, cfg.dt_rank, cfg.d_state)
+        return x + self.linear(y, ly.out_proj)

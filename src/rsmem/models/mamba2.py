@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.models.base import MambaFamilyModel
+from rsmem.models.compiled import CompiledStep
 from rsmem.models.ops.conv import causal_conv1d_
-from rsmem.models.ops.norm import gated_group_rms_norm
+from rsmem.models.ops.fused import mamba2_layer_one_, mamba2_mixer_step_
+from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
 from rsmem.models.ops.ssd import ssd_chunked_
 
 
@@ -114,3 +116,26 @@ class Mamba2Model(MambaFamilyModel):
             y.reshape(n_seqs, n_tokens, cfg.d_inner), z, layer.ssm_norm, cfg.n_group, cfg.eps
         )
         return self.linear(y, layer.out_proj)
+
+    def make_compiled_steps(self) -> None:
+        self._layer_one = CompiledStep(mamba2_layer_one_)
+        self._mixer_step = CompiledStep(mamba2_mixer_step_, batch_args=(0, 1, 8))
+
+    def decode_layer(
+        self, layer: Mamba2Layer, x: torch.Tensor, window: torch.Tensor, h: torch.Tensor
+    ) -> torch.Tensor:
+        """One sequence: the whole block in one compiled function (products as fused reductions). Several:
+        the packed products eagerly, everything between them in one compiled function."""
+        cfg = self.config
+        ly = layer
+        if x.shape[0] == 1:
+            return self._layer_one(
+                x, ly.norm, ly.in_proj.t(), ly.conv_weight, ly.conv_bias, ly.dt_bias, ly.A, ly.D,
+                ly.ssm_norm, ly.out_proj.t(), window, h, cfg.n_group, cfg.eps,
+            )  # fmt: skip
+        zxbcdt = self.linear(rms_norm(x, ly.norm, cfg.eps), ly.in_proj)
+        y = self._mixer_step(
+            zxbcdt, window, ly.conv_weight, ly.conv_bias, ly.dt_bias, ly.A, ly.D, ly.ssm_norm, h,
+            cfg.n_group, cfg.eps,
+        )  # fmt: skip
+        return x + self.linear(y, ly.out_proj)

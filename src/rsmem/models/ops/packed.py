@@ -8,26 +8,19 @@ twin is slower there): models with packing hold their matrices ``[out, in]`` con
 ``[in, out]`` transposed views (see :func:`held_matrix`), so the one-row path costs no extra copy. A packed
 copy doubles those matrices' memory; ``RSMEM_ONEDNN=0`` in the environment turns packing off.
 
-``RSMEM_COMPILE=1`` (opt-in) computes those one-row products of the large matrices with one kernel that
-``torch.compile`` (inductor, dynamic shapes: compiled once, a few seconds, at the first decode step) builds
-from :func:`gemv`: a reduction parallel over the output rows, 5-15% faster than oneDNN's alone. On the
-130M models (separate processes, alternated) single-sequence decode gains ~15% for Mamba-2, ~2% (noise)
-for Mamba; batched decode and prefill do not use it.
+One-sequence decode steps of large models do not come here: :mod:`rsmem.models.compiled` runs them as
+compiled reductions (:func:`rsmem.models.ops.fused.gemv`), faster still.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 
 from rsmem.models.ops.common import linear, transposed
 
 PACK_ROWS = 8  # the row count oneDNN picks its blocking for; any count runs, 8..512 all gain
-# One row through the compiled gemv from this many weights up (below, e.g. Mamba's x_proj, oneDNN is faster).
-GEMV_MIN_NUMEL = 1 << 20
-_compiled_gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def packing_enabled() -> bool:
@@ -36,24 +29,6 @@ def packing_enabled() -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
-
-
-def compile_enabled() -> bool:
-    return os.environ.get("RSMEM_COMPILE", "0") == "1"
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``weight @ x`` for ``x`` ``[in]`` and ``weight`` ``[out, in]``, written as a product and a sum: what
-    inductor fuses into one reduction kernel (eager, it would build an ``[out, in]`` temporary)."""
-    return (weight * x).sum(-1)
-
-
-def compiled_gemv() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """:func:`gemv` under ``torch.compile`` with dynamic shapes: one compilation serves every matrix."""
-    global _compiled_gemv
-    if _compiled_gemv is None:
-        _compiled_gemv = torch.compile(gemv, dynamic=True, fullgraph=True)
-    return _compiled_gemv
 
 
 def held_matrix(weight: torch.Tensor, dtype: torch.dtype, packing: bool) -> torch.Tensor:
@@ -71,12 +46,9 @@ def held_matrix(weight: torch.Tensor, dtype: torch.dtype, packing: bool) -> torc
 class PackedMatrices:
     """oneDNN twins of ``[in, out]`` float32 matrices; :meth:`linear` uses them where they are faster."""
 
-    def __init__(self, gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
-        """``gemv``: a one-row product ``(x [in], weight [out, in]) -> [out]`` for the plain matrices of at
-        least ``GEMV_MIN_NUMEL`` weights (:func:`compiled_gemv`); oneDNN's when None or when it fails."""
+    def __init__(self) -> None:
         # id(weight_t) -> (weight_t, packed, plain [out, in] contiguous or None)
         self._by_id: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
-        self._gemv = gemv
 
     def add(self, weight_t: torch.Tensor) -> None:
         """Pack ``weight_t`` ``[in, out]`` if it is a float32 CPU matrix (others use the plain product).
@@ -102,10 +74,5 @@ class PackedMatrices:
             plain = entry[2]
             if plain is None:
                 return linear(x, weight_t)
-            if self._gemv is not None and plain.numel() >= GEMV_MIN_NUMEL:
-                try:
-                    return self._gemv(x.reshape(-1), plain).view(*x.shape[:-1], plain.shape[0])
-                except Exception:  # no working compiler here: oneDNN from now on
-                    self._gemv = None
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), plain, None, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[1], None, "none", [], "")

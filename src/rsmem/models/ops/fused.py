@@ -1,0 +1,160 @@
+"""One decode token of every sequence, written for ``torch.compile`` to fuse (:mod:`rsmem.models.compiled`).
+
+Each function is plain torch and correct eagerly (the tests run them both ways); the way they are written
+is chosen for what inductor makes of them on a CPU:
+
+- :func:`gemv` writes a one-row product as multiply-and-sum, which inductor turns into one reduction kernel
+  streaming the ``[out, in]`` matrix on every core. A one-sequence decode step is bound by reading the
+  weights, and this kernel reads them faster than oneDNN's product, with no call overhead per matrix.
+- The state updates never read the new state back: the output ``y_t = C_t . h_t`` is expanded into
+  ``C_t . (dA h_{t-1}) + (C_t . B_t) dt_t x_t``, a reduction over the *old* state that inductor fuses with
+  the in-place store of the new one. Each state row is then read once and written once per step (the form
+  that reduces over ``h_t`` stores it to a temporary, writes it again, and reads it back: ~3x slower at
+  64 sequences of Mamba-2).
+
+Shapes: ``x`` is the residual stream ``[Bs, d_model]``; matrices are ``[out, in]`` (any strides); ``window``
+``[Bs, C, K-1]`` and ``h`` are the state views the model hands the mixer, updated in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` ``[Bs, in]`` and ``weight`` ``[out, in]`` as a fused reduction (meant for
+    ``Bs`` = 1: eagerly it materialises ``[Bs, out, in]``). A bf16 ``weight`` is promoted per element."""
+    return (weight * x.unsqueeze(-2)).sum(-1)
+
+
+def conv_step_(
+    x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """One token of the causal depthwise conv, then SiLU: ``x`` ``[Bs, C]``; ``window`` ``[Bs, C, K-1]`` is
+    shifted in place; returns ``[Bs, C]``."""
+    full = torch.cat([window, x.unsqueeze(-1)], dim=-1)  # [Bs, C, K]
+    window.copy_(full[:, :, 1:])
+    return F.silu((full * weight).sum(-1) + bias)
+
+
+# ---------------------------------------------------------------------------------------------- Mamba
+
+
+def mamba_ssm_step_(
+    dbc: torch.Tensor,
+    xc: torch.Tensor,
+    z: torch.Tensor,
+    dt_proj: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+    dt_rank: int,
+    d_state: int,
+) -> torch.Tensor:
+    """Mamba's selective state update for one token, gated: ``dbc`` ``[Bs, R + 2N]`` (``x_proj``'s
+    output), ``xc`` and ``z`` ``[Bs, D]``, ``h`` ``[Bs, D, N]`` updated in place; returns ``y * silu(z)``."""
+    dt_low, B, C = dbc.split([dt_rank, d_state, d_state], dim=-1)
+    dt = F.softplus(dt_low @ dt_proj.t() + dt_bias)  # [Bs, D]
+    dA = torch.exp(dt.unsqueeze(-1) * A)  # [Bs, D, N]
+    dtx = dt * xc
+    y = (h * dA * C.unsqueeze(1)).sum(-1) + dtx * (B * C).sum(-1, keepdim=True) + D * xc
+    h.copy_(h * dA + dtx.unsqueeze(-1) * B.unsqueeze(1))
+    return y * F.silu(z)
+
+
+def mamba_layer_one_(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    in_proj: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor,
+    x_proj: torch.Tensor,
+    dt_proj: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    out_proj: torch.Tensor,
+    window: torch.Tensor,
+    h: torch.Tensor,
+    eps: float,
+    dt_rank: int,
+    d_state: int,
+) -> torch.Tensor:
+    """A whole Mamba block for one sequence's token (every product a :func:`gemv`); returns the new ``x``."""
+    d_inner = conv_weight.shape[0]
+    xz = gemv(F.rms_norm(x, (x.shape[-1],), norm, eps), in_proj)
+    xc = conv_step_(xz[:, :d_inner], window, conv_weight, conv_bias)
+    dbc = gemv(xc, x_proj)
+    y = mamba_ssm_step_(dbc, xc, xz[:, d_inner:], dt_proj, dt_bias, A, D, h, dt_rank, d_state)
+    return x + gemv(y, out_proj)
+
+
+# -------------------------------------------------------------------------------------------- Mamba-2
+
+
+def mamba2_mixer_step_(
+    zxbcdt: torch.Tensor,
+    window: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    ssm_norm: torch.Tensor,
+    h: torch.Tensor,
+    n_group: int,
+    eps: float,
+) -> torch.Tensor:
+    """Mamba-2's mixer between its two projections, for one token: ``zxbcdt`` ``[Bs, d_inner + conv_dim +
+    H]`` (``in_proj``'s output); ``window`` and ``h`` ``[Bs, H, P, N]`` updated in place; returns the gated,
+    group-normalised ``y`` ``[Bs, d_inner]``."""
+    n_seqs, n_head, head_dim, d_state = h.shape
+    d_inner = n_head * head_dim
+    conv_dim = conv_weight.shape[0]
+    z, xBC, dt = zxbcdt.split([d_inner, conv_dim, n_head], dim=-1)
+    xBC = conv_step_(xBC, window, conv_weight, conv_bias)
+    x, B, C = xBC.split([d_inner, n_group * d_state, n_group * d_state], dim=-1)
+    rep = n_head // n_group
+    x = x.reshape(n_seqs, n_head, head_dim)
+    B, C = (  # [Bs, H, N]: each group's B and C for the heads that share it
+        t.reshape(n_seqs, n_group, 1, d_state).expand(-1, -1, rep, -1).reshape(n_seqs, n_head, d_state)
+        for t in (B, C)
+    )
+    dt = F.softplus(dt + dt_bias)  # [Bs, H]
+    dA = torch.exp(dt * A).unsqueeze(-1)  # [Bs, H, 1]
+    xdt = x * dt.unsqueeze(-1)  # [Bs, H, P]
+    hC = (h * C.unsqueeze(2)).sum(-1)  # [Bs, H, P], from the old state
+    y = hC * dA + xdt * (B * C).sum(-1, keepdim=True) + x * D.unsqueeze(-1)
+    h.copy_(h * dA.unsqueeze(-1) + xdt.unsqueeze(-1) * B.unsqueeze(2))
+    g = y.reshape(n_seqs, d_inner) * F.silu(z)
+    g = g.reshape(n_seqs, n_group, d_inner // n_group)
+    return F.rms_norm(g, (g.shape[-1],), None, eps).reshape(n_seqs, d_inner) * ssm_norm
+
+
+def mamba2_layer_one_(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    in_proj: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    ssm_norm: torch.Tensor,
+    out_proj: torch.Tensor,
+    window: torch.Tensor,
+    h: torch.Tensor,
+    n_group: int,
+    eps: float,
+) -> torch.Tensor:
+    """A whole Mamba-2 block for one sequence's token (both products :func:`gemv`); returns the new ``x``."""
+    zxbcdt = gemv(F.rms_norm(x, (x.shape[-1],), norm, eps), in_proj)
+    y = mamba2_mixer_step_(zxbcdt, window, conv_weight, conv_bias, dt_bias, A, D, ssm_norm, h, n_group, eps)
+    return x + gemv(y, out_proj)
+
+
+def head_one(x: torch.Tensor, norm_f: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
+    """Final norm and LM head for one row: ``[1, d_model]`` -> ``[1, n_vocab]`` logits."""
+    return gemv(F.rms_norm(x, (x.shape[-1],), norm_f, eps), lm_head)

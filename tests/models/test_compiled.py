@@ -1,0 +1,145 @@
+"""The compiled decode path (models.compiled, ops.fused): same results as the eager path, a safe fallback
+when compiling fails, and the auto policy."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import rsmem
+from rsmem.models import compiled
+from rsmem.models.compiled import AUTO_MIN_WEIGHTS, CompiledStep, resolve_compile
+from rsmem.models.mamba import MambaConfig
+from rsmem.models.mamba2 import Mamba2Config
+from rsmem.models.ops import fused
+from rsmem.models.random_init import random_mamba, random_mamba2
+
+CPU = torch.device("cpu")
+
+
+def _model(arch: str):
+    if arch == "mamba":
+        return random_mamba(MambaConfig(d_model=32, n_layer=2, n_vocab=64, d_state=8, dt_rank=4), seed=3)
+    return random_mamba2(
+        Mamba2Config(d_model=32, n_layer=2, n_vocab=64, d_state=8, n_head=4, n_group=2, chunk_size=4), seed=3
+    )
+
+
+def _run(model, compile_decode: bool) -> list[torch.Tensor]:
+    """Prefill two sequences, fork one, then decode 1 sequence alone and 3 together; every step's logits."""
+    model.set_compile(compile_decode)
+    ctx = rsmem.Context(model, n_seq_max=4)
+    out = []
+    ctx.decode(rsmem.Batch([1, 2, 3, 4, 5, 6], seq_ids=[[0]] * 3 + [[1]] * 3))
+    ctx.memory.seq_cp(1, 2, -1, -1)
+    for k in range(4):  # one sequence a step
+        ctx.decode(rsmem.Batch([7 + k], seq_ids=[[0]]))
+        out.append(ctx.logits.clone())
+    for k in range(4):  # three sequences a step, one of them the fork
+        ctx.decode(rsmem.Batch([11 + k, 20 + k, 30 + k], seq_ids=[[0], [1], [2]], logits=[True] * 3))
+        out.append(ctx.logits.clone())
+    return out + [t.clone() for t in (*ctx.memory.r_l, *ctx.memory.s_l)]  # the states, each layer's rows
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_compiled_decode_matches_eager(arch: str) -> None:
+    model = _model(arch)
+    eager = _run(model, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a compile failure would fall back silently
+        got = _run(model, True)
+    assert model.compile_decode
+    steps = [v for k, v in vars(model).items() if isinstance(v, CompiledStep)]
+    assert len(steps) >= 3 and all(s.failed is None for s in steps)
+    for a, b in zip(got, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+def test_fused_steps_match_the_model_ops_eagerly() -> None:
+    """The fused one-token Mamba-2 mixer against the chunked SSD kernel and the conv it replaces."""
+    from rsmem.models.ops.conv import causal_conv1d
+    from rsmem.models.ops.norm import gated_group_rms_norm
+    from rsmem.models.ops.ssd import ssd_chunked
+
+    g = torch.Generator().manual_seed(0)
+    n_seqs, n_head, head_dim, d_state, n_group, k = 3, 4, 8, 16, 2, 4
+    d_inner = n_head * head_dim
+    conv_dim = d_inner + 2 * n_group * d_state
+    zxbcdt = torch.randn(n_seqs, d_inner + conv_dim + n_head, generator=g)
+    window = torch.randn(n_seqs, conv_dim, k - 1, generator=g)
+    conv_w, conv_b = torch.randn(conv_dim, k, generator=g), torch.randn(conv_dim, generator=g)
+    dt_bias, D = torch.randn(n_head, generator=g), torch.randn(n_head, generator=g)
+    A = -torch.rand(n_head, generator=g) * 4
+    ssm_norm = torch.randn(d_inner, generator=g)
+    h = torch.randn(n_seqs, n_head, head_dim, d_state, generator=g)
+
+    z, xBC, dt = zxbcdt.split([d_inner, conv_dim, n_head], dim=-1)
+    xBC_c, window_want = causal_conv1d(xBC.unsqueeze(1), window, conv_w, conv_b)
+    x, B, C = torch.nn.functional.silu(xBC_c[:, 0]).split([d_inner, n_group * d_state, n_group * d_state], -1)
+    y, h_want = ssd_chunked(
+        x.reshape(n_seqs, 1, n_head, head_dim),
+        torch.nn.functional.softplus(dt + dt_bias).unsqueeze(1),
+        A,
+        B.reshape(n_seqs, 1, n_group, d_state),
+        C.reshape(n_seqs, 1, n_group, d_state),
+        D,
+        h,
+    )
+    want = gated_group_rms_norm(y.reshape(n_seqs, d_inner), z, ssm_norm, n_group, 1e-5)
+    got = fused.mamba2_mixer_step_(zxbcdt, window, conv_w, conv_b, dt_bias, A, D, ssm_norm, h, n_group, 1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(window, window_want)
+    torch.testing.assert_close(h, h_want, rtol=1e-5, atol=1e-5)
+
+
+def test_failed_compile_falls_back_before_touching_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiling is tried on zero tensors first: when it fails the eager function runs and the real
+    arguments are changed once, by the eager run only."""
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    a.add_(100.0)  # a failure after writing to its inputs
+            raise RuntimeError("no C++ compiler")
+
+        return run
+
+    monkeypatch.setattr(compiled.torch, "compile", broken_compile)
+    step = CompiledStep(fused.conv_step_, batch_args=(0, 1))
+    x, window = torch.randn(2, 6), torch.randn(2, 6, 3)
+    w, b = torch.randn(6, 4), torch.randn(6)
+    want_window = window.clone()
+    want = fused.conv_step_(x.clone(), want_window, w, b)
+    with pytest.warns(RuntimeWarning, match="no C.. compiler"):
+        got = step(x, window, w, b)
+    assert step.failed is not None
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(window, want_window)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(x, window, w, b)  # later calls go straight to the eager function, with no new warning
+
+
+def test_auto_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: True)
+    assert resolve_compile("auto", AUTO_MIN_WEIGHTS, CPU)
+    assert not resolve_compile("auto", AUTO_MIN_WEIGHTS - 1, CPU)
+    assert resolve_compile(True, 10, CPU) and resolve_compile("1", 10, CPU)
+    assert not resolve_compile(False, AUTO_MIN_WEIGHTS, CPU)
+    assert not resolve_compile("0", AUTO_MIN_WEIGHTS, CPU)
+    monkeypatch.setenv("RSMEM_COMPILE", "0")
+    assert not resolve_compile(None, AUTO_MIN_WEIGHTS, CPU)
+    monkeypatch.setenv("RSMEM_COMPILE", "1")
+    assert resolve_compile(None, 10, CPU)
+    monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: False)
+    assert not resolve_compile("auto", AUTO_MIN_WEIGHTS, CPU)
+    with pytest.raises(ValueError, match="auto, 1 or 0"):
+        resolve_compile("sometimes", 10, CPU)
+
+
+def test_small_models_decode_eagerly_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RSMEM_COMPILE", raising=False)
+    assert not _model("mamba2").compile_decode
