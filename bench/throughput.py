@@ -10,8 +10,10 @@ it the whole model step reaches (matmul FLOPs of the step / step time / ceiling)
 
 rsmem's decode steps run through ``torch.compile`` as they do by default for models of this size
 (``rsmem.models.compiled``; compiled during the untimed first decode step of each kind); ``--compile 0``
-benchmarks the eager path instead. With ``--arch both`` a last
-table puts the two architectures side by side. transformers' Mamba-2 has no fast
+benchmarks the eager path instead. The machine's memory bandwidth drifts (2x within a minute was seen), so
+each row is measured ``--rounds`` times with rsmem and llama.cpp back to back (llama.cpp in a worker process
+that keeps its model loaded): the tables give medians, and rsmem/llama.cpp is the median of the per-round
+ratios with their range. With ``--arch both`` a last table puts the two architectures side by side. transformers' Mamba-2 has no fast
 CPU path (its decode at 64 sequences takes minutes): ``--no-transformers-mamba2`` skips it, and
 ``--no-transformers`` skips transformers altogether.
 """
@@ -20,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +35,8 @@ import rsmem
 
 DECODE_SEQS = (1, 8, 64)
 
-LLAMA_SCRIPT = r"""
+# A worker: loads the model once, then answers one measurement a line ("prefill" or "decode N") on stdin.
+LLAMA_WORKER = r"""
 import json, sys, time
 import llama_cpp as L
 path, n_prompt, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -49,18 +54,24 @@ def decode(entries):
         batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, p, 1, out
         batch.seq_id[i][0] = s
     assert L.llama_decode(ctx, batch) == 0
-res = {}
 prompt = [(7 * i) % 50000 + 1 for i in range(n_prompt)]
-t0 = time.perf_counter(); decode([(t, i, 0, i == n_prompt - 1) for i, t in enumerate(prompt)])
-res["prefill"] = n_prompt / (time.perf_counter() - t0)
-for n in (1, 8, 64):
+def prefill():
+    L.llama_memory_clear(mem, True)
+    t0 = time.perf_counter(); decode([(t, i, 0, i == n_prompt - 1) for i, t in enumerate(prompt)])
+    return n_prompt / (time.perf_counter() - t0)
+def decode_n(n):
     L.llama_memory_clear(mem, True)
     decode([(5, 0, s, True) for s in range(n)])
+    decode([(6, 1, s, True) for s in range(n)])  # warm-up step
     t0 = time.perf_counter()
-    for k in range(1, steps + 1):
+    for k in range(2, steps + 2):
         decode([((s + k) % 1000 + 1, k, s, True) for s in range(n)])
-    res[f"decode{n}"] = n * steps / (time.perf_counter() - t0)
-print(json.dumps(res))
+    return n * steps / (time.perf_counter() - t0)
+prefill()  # warm-up
+print("ready", flush=True)
+for line in sys.stdin:
+    cmd = line.split()
+    print(json.dumps(prefill() if cmd[0] == "prefill" else decode_n(int(cmd[1]))), flush=True)
 """
 
 
@@ -125,34 +136,68 @@ def matmul_flops_per_token(model) -> int:
     return 2 * (n + model.lm_head.numel())
 
 
-def bench_rsmem(
-    path: Path, n_prompt: int, steps: int, compile_setting: str
-) -> tuple[dict[str, float], dict[str, float]]:
-    model = rsmem.load_model(path, compile=compile_setting)
-    res, step_s = {}, {}
-    prompt = [(7 * i) % 50000 + 1 for i in range(n_prompt)]
+class RsmemRunner:
+    """rsmem's side of each measurement, on one loaded model (compiled steps warm after the first)."""
 
-    def prefill() -> None:
-        ctx = rsmem.Context(model, n_seq_max=1, n_batch=n_prompt, n_ubatch=n_prompt)
-        ctx.decode(rsmem.Batch(prompt, seq_ids=[[0]] * n_prompt))
+    def __init__(self, path: Path, n_prompt: int, steps: int, compile_setting: str) -> None:
+        self.model = rsmem.load_model(path, compile=compile_setting)
+        self.n_prompt, self.steps = n_prompt, steps
+        self.prompt = [(7 * i) % 50000 + 1 for i in range(n_prompt)]
 
-    res["prefill"] = n_prompt / timed(prefill)
-    for n in DECODE_SEQS:
+    def measure(self, row: str) -> float:
+        """Tokens/s of one row of the table (a warm-up run or step first, untimed)."""
+        model, n_prompt = self.model, self.n_prompt
+        if row == "prefill":
+
+            def prefill() -> None:
+                ctx = rsmem.Context(model, n_seq_max=1, n_batch=n_prompt, n_ubatch=n_prompt)
+                ctx.decode(rsmem.Batch(self.prompt, seq_ids=[[0]] * n_prompt))
+
+            return n_prompt / timed(prefill)
+        n = int(row[6:])
         ctx = rsmem.Context(model, n_seq_max=n)
         ctx.decode(rsmem.Batch([5] * n, seq_ids=[[s] for s in range(n)], logits=[True] * n))
         k = [0]
 
-        def step(ctx=ctx, n=n, k=k) -> None:
+        def step() -> None:
             k[0] += 1
             toks = [(s + k[0]) % 1000 + 1 for s in range(n)]
             ctx.decode(rsmem.Batch(toks, seq_ids=[[s] for s in range(n)], logits=[True] * n))
 
-        dt = timed(step, steps)
-        res[f"decode{n}"] = n / dt
-        step_s[f"decode{n}"] = dt
-    step_s["flops_per_token"] = matmul_flops_per_token(model)
-    step_s["compiled"] = float(model.compile_decode)
-    return res, step_s
+        return n / timed(step, self.steps)
+
+    def close(self) -> None:
+        pass
+
+
+class LlamaWorker:
+    """llama.cpp's side: a llama-cpp-python process (another venv) that keeps the model loaded."""
+
+    def __init__(self, python: str, path: Path, n_prompt: int, steps: int, threads: int) -> None:
+        args = [python, "-c", LLAMA_WORKER, str(path), str(n_prompt), str(steps), str(threads)]
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        if self._line() != "ready":
+            raise RuntimeError("llama.cpp worker did not start")
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp worker exited with {self.proc.wait()}")
+        return line.strip()
+
+    def measure(self, row: str) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("prefill\n" if row == "prefill" else f"decode {row[6:]}\n")
+        self.proc.stdin.flush()
+        return float(json.loads(self._line()))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
 
 
 @torch.inference_mode()
@@ -170,26 +215,35 @@ def bench_transformers(hf_model, n_prompt: int, steps: int) -> dict[str, float]:
     return res
 
 
-def bench_llamacpp(python: str, path: Path, n_prompt: int, steps: int, threads: int) -> dict[str, float]:
-    out = subprocess.run(
-        [python, "-c", LLAMA_SCRIPT, str(path), str(n_prompt), str(steps), str(threads)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 ROWS = ("prefill", *(f"decode{n}" for n in DECODE_SEQS))
 
 
-def bench_arch(arch: str, args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """Columns ``rsmem``, ``transformers``, ``llama.cpp`` (those that ran) of tokens/s by row, and rsmem's
-    step times."""
+@dataclass
+class ArchResult:
+    """One architecture's table: median tokens/s per column and row, and rsmem / llama.cpp as the median
+    of the per-round ratios (each round measures the two back to back) with its spread."""
+
+    cols: dict[str, dict[str, float]] = field(default_factory=dict)
+    ratios: dict[str, list[float]] = field(default_factory=dict)
+    compiled: bool = False
+    flops_per_token: int = 0
+
+    def ratio(self, row: str) -> float:
+        r = self.ratios.get(row)
+        return statistics.median(r) if r else float("nan")
+
+    def spread(self, row: str) -> str:
+        r = self.ratios.get(row)
+        return f"{min(r):.2f}-{max(r):.2f}" if r else ""
+
+
+def bench_arch(arch: str, args: argparse.Namespace) -> ArchResult:
+    """Build the random model, convert it, then measure every row ``args.rounds`` times, rsmem and
+    llama.cpp back to back each time (this machine's memory bandwidth drifts by 2x within a minute)."""
     from transformers import Mamba2ForCausalLM, MambaForCausalLM
 
     skip_hf = args.no_transformers or (arch == "mamba2" and args.no_transformers_mamba2)
-    cols: dict[str, dict[str, float]] = {}
+    result = ArchResult()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "hf"
         torch.manual_seed(0)
@@ -198,48 +252,65 @@ def bench_arch(arch: str, args: argparse.Namespace) -> tuple[dict[str, dict[str,
         hf_model.save_pretrained(folder)
         write_byte_tokenizer(folder, hf_model.config.vocab_size)
         gguf_path = rsmem.convert(folder, Path(tmp) / "model-f32.gguf", "f32")
-        cols["rsmem"], step_s = bench_rsmem(gguf_path, args.prompt, args.steps, args.compile)
         if not skip_hf:
-            cols["transformers"] = bench_transformers(hf_model, args.prompt, max(4, args.steps // 2))
+            result.cols["transformers"] = bench_transformers(hf_model, args.prompt, max(4, args.steps // 2))
         del hf_model
+        runners: dict[str, RsmemRunner | LlamaWorker] = {
+            "rsmem": RsmemRunner(gguf_path, args.prompt, args.steps, args.compile)
+        }
         if args.llama_python:
             try:
-                cols["llama.cpp"] = bench_llamacpp(
+                runners["llama.cpp"] = LlamaWorker(
                     args.llama_python, gguf_path, args.prompt, args.steps, args.threads
                 )
-            except (subprocess.CalledProcessError, ValueError) as exc:
-                print(f"llama.cpp run failed: {exc}")
-    return cols, step_s
+            except (OSError, RuntimeError) as exc:
+                print(f"llama.cpp worker failed: {exc}")
+        samples: dict[str, dict[str, list[float]]] = {name: {row: [] for row in ROWS} for name in runners}
+        for _ in range(args.rounds):
+            for row in args.rows:
+                got = {name: runner.measure(row) for name, runner in runners.items()}
+                for name, value in got.items():
+                    samples[name][row].append(value)
+                if "llama.cpp" in got:
+                    result.ratios.setdefault(row, []).append(got["rsmem"] / got["llama.cpp"])
+        for runner in runners.values():
+            runner.close()
+        for name, rows in samples.items():
+            result.cols[name] = {row: statistics.median(v) for row, v in rows.items() if v}
+        model = runners["rsmem"].model  # type: ignore[union-attr]
+        result.compiled = model.compile_decode
+        result.flops_per_token = matmul_flops_per_token(model)
+    return result
 
 
-def ratio(cols: dict[str, dict[str, float]], row: str) -> float:
-    return cols["rsmem"][row] / cols["llama.cpp"][row] if "llama.cpp" in cols else float("nan")
-
-
-def print_arch(arch: str, cols, step_s, args: argparse.Namespace, ceilings: dict[int, float]) -> None:
-    compiled = ", rsmem decode compiled" if step_s["compiled"] else ", rsmem decode eager"
-    print(f"\n{arch} 130M, f32, {args.threads} threads{compiled}: tokens/s", flush=True)
-    names = list(cols)
-    print(f"{'':12}" + "".join(f"{c:>14}" for c in names) + f"{'rsmem/llama':>13}{'of ceiling':>12}")
-    for row in ROWS:
-        line = f"{row:12}" + "".join(f"{cols[c].get(row, float('nan')):14.1f}" for c in names)
+def print_arch(arch: str, res: ArchResult, args: argparse.Namespace, ceilings: dict[int, float]) -> None:
+    compiled = "rsmem decode compiled" if res.compiled else "rsmem decode eager"
+    print(f"\n{arch} 130M, f32, {args.threads} threads, {compiled}, median of {args.rounds} rounds: tokens/s")
+    names = [n for n in ("rsmem", "transformers", "llama.cpp") if n in res.cols]
+    header = "".join(f"{c:>14}" for c in names)
+    print(f"{'':12}{header}{'rsmem/llama':>13}{'(range)':>12}{'of ceiling':>12}")
+    for row in args.rows:
+        line = f"{row:12}" + "".join(f"{res.cols[c].get(row, float('nan')):14.1f}" for c in names)
         rows = args.prompt if row == "prefill" else int(row[6:])
-        gflops = cols["rsmem"][row] * step_s["flops_per_token"] / 1e9
-        print(line + f"{ratio(cols, row):13.2f}{gflops / ceilings[rows]:12.0%}", flush=True)
+        gflops = res.cols["rsmem"][row] * res.flops_per_token / 1e9
+        line += f"{res.ratio(row):13.2f}{res.spread(row):>12}{gflops / ceilings[rows]:12.0%}"
+        print(line, flush=True)
 
 
-def print_side_by_side(results: dict[str, dict[str, dict[str, float]]], args: argparse.Namespace) -> None:
+def print_side_by_side(results: dict[str, ArchResult], args: argparse.Namespace) -> None:
     """One table: for each architecture rsmem, transformers, llama.cpp and rsmem / llama.cpp."""
     names, widths = ("rsmem", "transformers", "llama.cpp"), (9, 14, 11, 13)
     block = sum(widths)
     print(f"\nboth architectures, 130M, f32, {args.threads} threads, prompt {args.prompt}: tokens/s")
     print(f"{'':12}" + "".join(f"{arch:>{block}}" for arch in results))
     print(f"{'':12}" + "".join(f"{n:>{w}}" for n, w in zip((*names, "rsmem/llama"), widths)) * len(results))
-    for row in ROWS:
+    for row in args.rows:
         line = f"{row:12}"
-        for cols in results.values():
-            line += "".join(f"{cols.get(n, {}).get(row, float('nan')):{w}.1f}" for n, w in zip(names, widths))
-            line += f"{ratio(cols, row):{widths[-1]}.2f}"
+        for res in results.values():
+            line += "".join(
+                f"{res.cols.get(n, {}).get(row, float('nan')):{w}.1f}" for n, w in zip(names, widths)
+            )
+            line += f"{res.ratio(row):{widths[-1]}.2f}"
         print(line)
 
 
@@ -249,6 +320,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per sequence count")
+    ap.add_argument("--rounds", type=int, default=3, help="measurements of each row; medians are reported")
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="rows to measure (all)")
     ap.add_argument("--llama-python", default=None, help="python with llama-cpp-python==0.3.36 installed")
     ap.add_argument("--compile", choices=["auto", "1", "0"], default="auto", help="rsmem's decode compile")
     ap.add_argument("--no-transformers", action="store_true")
@@ -261,8 +334,8 @@ def main() -> None:
     archs = ["mamba", "mamba2"] if args.arch == "both" else [args.arch]
     results = {}
     for arch in archs:
-        results[arch], step_s = bench_arch(arch, args)
-        print_arch(arch, results[arch], step_s, args, ceilings)
+        results[arch] = bench_arch(arch, args)
+        print_arch(arch, results[arch], args, ceilings)
     if len(results) > 1:
         print_side_by_side(results, args)
     print(f"\n({time.perf_counter() - t0:.0f} s)")

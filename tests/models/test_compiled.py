@@ -143,3 +143,22 @@ def test_auto_policy(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_small_models_decode_eagerly_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RSMEM_COMPILE", raising=False)
     assert not _model("mamba2").compile_decode
+
+
+@pytest.mark.parametrize("n_tokens", [1, 16, 37])
+def test_blocked_scan_matches_reference(n_tokens: int) -> None:
+    """The block-wise sequential scan (eager here) against the token loop, with decays strong enough to
+    cut the chunked scan's chunks short, and a padded last block that must leave the state as it is."""
+    from rsmem.models.ops.selective_scan import selective_scan_ref
+
+    g = torch.Generator().manual_seed(4)
+    n_seqs, d, n = 2, 12, 5
+    x = torch.randn(n_seqs, n_tokens, d, generator=g)
+    dt = torch.rand(n_seqs, n_tokens, d, generator=g) * 3
+    A = -torch.rand(d, n, generator=g) * 16
+    B, C = torch.randn(n_seqs, n_tokens, n, generator=g), torch.randn(n_seqs, n_tokens, n, generator=g)
+    D, h = torch.randn(d, generator=g), torch.randn(n_seqs, d, n, generator=g)
+    y_want, h_want = selective_scan_ref(x, dt, A, B, C, D, h.clone())
+    y = fused.selective_scan_blocked_(x, dt, A, B, C, D, h)
+    torch.testing.assert_close(y, y_want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h, h_want, rtol=1e-5, atol=1e-5)

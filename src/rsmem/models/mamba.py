@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from rsmem.models.base import MambaFamilyModel
 from rsmem.models.compiled import CompiledStep
 from rsmem.models.ops.conv import causal_conv1d_
-from rsmem.models.ops.fused import conv_step_, mamba_layer_one_, mamba_ssm_step_
+from rsmem.models.ops.fused import (
+    conv_step_,
+    mamba_layer_one_,
+    mamba_scan_block,
+    mamba_ssm_step_,
+    selective_scan_blocked_,
+)
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.selective_scan import selective_scan_
 
@@ -96,13 +102,19 @@ class MambaModel(MambaFamilyModel):
         xc = F.silu(causal_conv1d_(xs, window, layer.conv_weight, layer.conv_bias))
         dt_low, B, C = self.linear(xc, layer.x_proj).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
         dt = F.softplus(F.linear(dt_low, layer.dt_proj, layer.dt_bias))
-        y = selective_scan_(xc, dt, layer.A, B, C, layer.D, h)
+        if self.compile_decode and xc.shape[1] > 1:  # compiled blocks of the sequential scan
+            block = self._scan_block_one if xc.shape[0] == 1 else self._scan_block_many
+            y = selective_scan_blocked_(xc, dt, layer.A, B, C, layer.D, h, block)
+        else:
+            y = selective_scan_(xc, dt, layer.A, B, C, layer.D, h)
         return self.linear(y.mul_(F.silu(z)), layer.out_proj)
 
     def make_compiled_steps(self) -> None:
         self._layer_one = CompiledStep(mamba_layer_one_)
         self._conv_step = CompiledStep(conv_step_, batch_args=(0, 1))
         self._ssm_step = CompiledStep(mamba_ssm_step_, batch_args=(0, 1, 2, 7))
+        self._scan_block_one = CompiledStep(mamba_scan_block)
+        self._scan_block_many = CompiledStep(mamba_scan_block, batch_args=(0, 1, 2, 4, 5))
 
     def decode_layer(
         self, layer: MambaLayer, x: torch.Tensor, window: torch.Tensor, h: torch.Tensor

@@ -18,6 +18,8 @@ Shapes: ``x`` is the residual stream ``[Bs, d_model]``; matrices are ``[out, in]
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -89,6 +91,52 @@ def mamba_layer_one_(
     dbc = gemv(xc, x_proj)
     y = mamba_ssm_step_(dbc, xc, xz[:, d_inner:], dt_proj, dt_bias, A, D, h, dt_rank, d_state)
     return x + gemv(y, out_proj)
+
+
+# Tokens a compiled scan block advances: 16 steps unrolled into one kernel (compiles in a few seconds).
+SCAN_BLOCK = 16
+
+
+def mamba_scan_block(
+    h: torch.Tensor, dt: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selective scan over a few tokens as plain steps, for inductor to unroll into one loop nest over
+    ``(d, n)`` that carries the state in registers: ``h`` ``[Bs, D, N]``, ``dt`` (after softplus) and ``x``
+    ``[Bs, T, D]``, ``B``, ``C`` ``[Bs, T, N]``; returns ``(y [Bs, T, D] without the D skip, new h)``.
+
+    Unlike the chunked scan's cumulative sums this costs the same whatever the decay: random-weight
+    models, whose large ``dt`` cut the chunked scan's chunks to one or two tokens, run ~6x faster."""
+    ys = []
+    for t in range(dt.shape[1]):
+        h = h * torch.exp(dt[:, t, :, None] * A) + (dt[:, t] * x[:, t]).unsqueeze(-1) * B[:, t, None, :]
+        ys.append((h * C[:, t, None, :]).sum(-1))
+    return torch.stack(ys, dim=1), h
+
+
+def selective_scan_blocked_(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+    block: Callable[..., tuple[torch.Tensor, torch.Tensor]] = mamba_scan_block,
+) -> torch.Tensor:
+    """:func:`~rsmem.models.ops.selective_scan.selective_scan_` as a loop over ``SCAN_BLOCK``-token blocks
+    of ``block`` (the compiled :func:`mamba_scan_block`); updates ``h`` in place, returns ``y``
+    ``[Bs, L, D]``. The last block is padded with ``dt = 0``, which leaves the state exactly as it is."""
+    n_tokens = x.shape[1]
+    pad = (-n_tokens) % SCAN_BLOCK
+    xp, dtp, Bp, Cp = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (x, dt, B, C))
+    state, ys = h, []
+    for i in range(0, n_tokens + pad, SCAN_BLOCK):
+        j = i + SCAN_BLOCK
+        y, state = block(state, dtp[:, i:j], xp[:, i:j], A, Bp[:, i:j], Cp[:, i:j])
+        ys.append(y)
+    h.copy_(state)
+    y = torch.cat(ys, dim=1)[:, :n_tokens] if len(ys) > 1 or pad else ys[0]
+    return torch.addcmul(y, D, x)
 
 
 # -------------------------------------------------------------------------------------------- Mamba-2
