@@ -13,9 +13,9 @@ rsmem's decode steps run through ``torch.compile`` as they do by default for mod
 benchmarks the eager path instead. The machine's memory bandwidth drifts (2x within a minute was seen), so
 each row is measured ``--rounds`` times with rsmem and llama.cpp back to back (llama.cpp in a worker process
 that keeps its model loaded): the tables give medians, and rsmem/llama.cpp is the median of the per-round
-ratios with their range. With ``--arch both`` a last table puts the two architectures side by side. transformers' Mamba-2 has no fast
-CPU path (its decode at 64 sequences takes minutes): ``--no-transformers-mamba2`` skips it, and
-``--no-transformers`` skips transformers altogether.
+ratios with their range. With ``--arch both`` a last table puts the two architectures side by side.
+transformers' Mamba-2 has no fast CPU path (its decode at 64 sequences takes minutes):
+``--no-transformers-mamba2`` skips it, and ``--no-transformers`` skips transformers altogether.
 """
 
 from __future__ import annotations

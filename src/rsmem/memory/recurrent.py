@@ -19,6 +19,7 @@ import torch
 from rsmem.batch.allocator import BatchAllocator
 from rsmem.batch.batch import UBatch
 from rsmem.errors import UnknownSequenceError
+from rsmem.hugepages import huge_page_copies
 from rsmem.memory.cells import CellTable
 from rsmem.memory.context import MemoryStatus, RecurrentMemoryContext
 
@@ -63,6 +64,11 @@ class RecurrentMemory:
             keep = layer_filter is None or layer_filter(il)
             self.r_l.append(self._zeros(shape.n_embd_r) if keep else None)
             self.s_l.append(self._zeros(shape.n_embd_s) if keep else None)
+        if self.device.type == "cpu":  # large state rows stream faster from huge pages (rsmem.hugepages)
+            kept = [t for t in (*self.r_l, *self.s_l) if t is not None]
+            moved = dict(zip(map(id, kept), huge_page_copies(kept), strict=True))
+            self.r_l = [None if t is None else moved[id(t)] for t in self.r_l]
+            self.s_l = [None if t is None else moved[id(t)] for t in self.s_l]
         self.cells = CellTable.empty(self.size)
         self.head = 0
         self.used = 0

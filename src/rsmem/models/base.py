@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from rsmem.batch.batch import UBatch
+from rsmem.hugepages import huge_page_copies
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.fused import head_one
@@ -73,6 +74,7 @@ class MambaFamilyModel:
         # float32 head shares the embedding; without, a transposed copy
         self.lm_head = held_matrix(self.embedding if tied else weights.lm_head, dtype, packing)
         self.layers = [prepare_layer(layer, self.matrices, dtype, packing) for layer in weights.layers]
+        self._to_huge_pages()
         self.packed = PackedMatrices()  # faster twins (see ops.packed)
         matrices = [self.lm_head, *(getattr(ly, name) for ly in self.layers for name in self.matrices)]
         if packing:
@@ -81,6 +83,23 @@ class MambaFamilyModel:
         self._n_matrix_weights = sum(m.numel() for m in matrices)
         self.compile_decode = False
         self.set_compile(None)
+
+    def _to_huge_pages(self) -> None:
+        """Move the embedding, the head and every matrix onto huge pages (see :mod:`rsmem.hugepages`): a
+        one-sequence decode step reads them all from memory. A tied head stays a view of the embedding."""
+        head_is_embedding = self.lm_head.data_ptr() == self.embedding.data_ptr()
+        slots: list[tuple[Any, str]] = [(self, "embedding")]
+        if not head_is_embedding:
+            slots.append((self, "lm_head"))
+        slots += [(layer, name) for layer in self.layers for name in self.matrices]
+        held = [getattr(owner, name) for owner, name in slots]
+        # matrices held as transposed views are copied as the contiguous tensor they view
+        flipped = [t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous() for t in held]
+        copies = huge_page_copies([t.t() if f else t for t, f in zip(held, flipped, strict=True)])
+        for (owner, name), f, copy in zip(slots, flipped, copies, strict=True):
+            setattr(owner, name, copy.t() if f else copy)
+        if head_is_embedding:
+            self.lm_head = self.embedding.t()
 
     def set_compile(self, setting: CompileSetting) -> bool:
         """Whether one-token steps run through ``torch.compile`` (see :mod:`rsmem.models.compiled`):

@@ -1,0 +1,53 @@
+"""Weights and states on transparent huge pages: one-sequence decode streams every matrix (and, for
+Mamba-2, 19 MB of state) from memory, and does so faster from 2 MiB pages.
+
+With 4 KiB pages a 500 MB model spans 125k pages: the hardware prefetchers stop at every page boundary and
+the TLB misses on each. Linux backs anonymous memory with 2 MiB pages only where asked
+(``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` on many machines, including this project's),
+and torch's allocator does not ask. Measured here (torch 2.13, 2 threads): a compiled one-row product over
+in_proj-sized matrices reads ~29 GB/s from 4 KiB pages and ~31 GB/s from huge pages, 5-7% more.
+
+The matrices are copied into one anonymous ``mmap`` (64-byte aligned one after another, so small models
+waste nothing) advised ``MADV_HUGEPAGE`` before first touch; the tensors keep the mapping alive. Where the
+platform has no ``madvise``, or with ``RSMEM_HUGEPAGES=0`` in the environment, the tensors are returned as
+they were.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+
+ALIGN = 64  # bytes between matrices in the arena: a cache line, what vector loads like
+HUGE_PAGE = 2 << 20
+MIN_BYTES = 16 << 20  # below this the copies are not worth it (and the small default model stays as it is)
+
+
+def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous CPU copies of ``tensors`` in one huge-page-advised mapping (the originals when the
+    platform cannot, when any is not a contiguous CPU tensor, or when they are small)."""
+    if not tensors or not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get("RSMEM_HUGEPAGES") == "0":
+        return tensors
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return tensors
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.nbytes // ALIGN) * ALIGN
+    if total < MIN_BYTES:
+        return tensors
+    try:
+        arena = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return tensors
+    raw = torch.frombuffer(arena, dtype=torch.uint8)  # holds the mapping as long as any view lives
+    start = (-raw.data_ptr()) % HUGE_PAGE
+    copies = []
+    for t, off in zip(tensors, offsets, strict=True):
+        dst = raw[start + off : start + off + t.nbytes].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        copies.append(dst)
+    return copies

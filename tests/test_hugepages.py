@@ -1,0 +1,43 @@
+"""rsmem.hugepages: copies equal the originals, share one mapping, and small sets stay as they are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rsmem import hugepages
+from rsmem.hugepages import huge_page_copies
+
+
+def test_copies_are_equal_contiguous_and_aligned() -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(1 << 20, generator=g), torch.randn(3, 5, generator=g), torch.randn(2048, 2048)]
+    tensors.append(torch.randn(7, dtype=torch.float64, generator=g))
+    copies = huge_page_copies(tensors)
+    for t, c in zip(tensors, copies, strict=True):
+        assert c.data_ptr() != t.data_ptr() and c.is_contiguous()
+        assert c.data_ptr() % hugepages.ALIGN == 0
+        torch.testing.assert_close(c, t, rtol=0, atol=0)
+    assert copies[0].data_ptr() % hugepages.HUGE_PAGE == 0  # the arena starts on a huge page
+    copies[1].add_(1.0)  # writable, and independent of the original
+    torch.testing.assert_close(copies[1], tensors[1] + 1.0)
+
+
+def test_small_or_disabled_sets_are_returned_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    small = [torch.zeros(10), torch.ones(3, 3)]
+    assert all(c is t for c, t in zip(huge_page_copies(small), small, strict=True))
+    big = [torch.zeros(hugepages.MIN_BYTES // 4)]
+    monkeypatch.setenv("RSMEM_HUGEPAGES", "0")
+    assert huge_page_copies(big)[0] is big[0]
+    strided = [torch.zeros(hugepages.MIN_BYTES // 4 // 8, 8).t()]
+    monkeypatch.delenv("RSMEM_HUGEPAGES")
+    assert huge_page_copies(strided)[0] is strided[0]  # only contiguous tensors are moved
+
+
+def test_copies_outlive_everything_but_themselves() -> None:
+    """The mapping stays alive through the tensors alone."""
+    import gc
+
+    copy = huge_page_copies([torch.full((hugepages.MIN_BYTES // 4,), 2.0)])[0]
+    gc.collect()
+    assert float(copy[-1]) == 2.0
