@@ -83,6 +83,13 @@ def test_info_reports_architecture_and_state_size():
     assert r.returncode == 0, r.stderr
     assert "architecture:    mamba" in r.stdout
     assert "state per seq:" in r.stdout and "parameters:" in r.stdout
+    assert "decode steps:    eager" in r.stdout  # the small embedded model is below the compile threshold
+
+
+def test_generate_accepts_compile_off():
+    r = rsmem("generate", "ROMEO:", "-n", "4", "--seed", "1", "--compile", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ROMEO:")
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF file or Hugging Face folder (default: the embedded model)")
     p.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--bf16", action="store_true", help="keep weight matrices in bfloat16")
+    p.add_argument(
+        "--compile",
+        choices=["auto", "1", "0"],
+        default=None,
+        help="decode steps through torch.compile: auto (models of 16M+ matrix weights), 1 or 0 "
+        "(default: $RSMEM_COMPILE, else auto)",
+    )
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -75,7 +82,9 @@ def _load(args: argparse.Namespace, n_seq_max: int):
 
     path = _model_path(args.model)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    llm = LLM(path, n_seq_max=n_seq_max, n_batch=512, dtype=dtype, n_threads=args.threads)
+    llm = LLM(
+        path, n_seq_max=n_seq_max, n_batch=512, dtype=dtype, n_threads=args.threads, compile=args.compile
+    )
     if llm.tokenizer is None:
         raise RsmemError(f"{path} has no tokenizer: text generation needs one")
     return llm
@@ -251,6 +260,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"parameters:      {n_params / 1e6:.2f} M")
     print(f"state per layer: r {model.n_embd_r} + s {model.n_embd_s} floats")
     print(f"state per seq:   {state} bytes ({state / 1024:.1f} KiB, f32)")
+    how = "torch.compile" if getattr(model, "compile_decode", False) else "eager"
+    print(f"decode steps:    {how} (RSMEM_COMPILE / --compile of generate, chat, serve)")
     if tokenizer is not None:
         print(
             f"tokenizer:       {tokenizer.tokenizer.get_vocab_size()} tokens, bos {tokenizer.bos_token_id}, "

@@ -15,6 +15,7 @@ from rsmem.engine.engine import Engine
 from rsmem.engine.request import RequestOutput
 from rsmem.engine.sampling import SamplingParams
 from rsmem.engine.tokenizer import TextTokenizer
+from rsmem.models.compiled import CompileSetting
 from rsmem.models.protocol import RecurrentModel
 
 Prompt = str | Sequence[int]
@@ -26,15 +27,22 @@ def default_model_path() -> Path:
 
 
 def load_text_model(
-    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, n_threads: int | None = None
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    n_threads: int | None = None,
+    compile: CompileSetting = None,
 ) -> tuple[RecurrentModel, TextTokenizer | None]:
-    """A model and its tokenizer (with BOS/EOS ids) from a GGUF file or an HF folder."""
+    """A model and its tokenizer (with BOS/EOS ids) from a GGUF file or an HF folder; ``compile`` as in
+    :func:`rsmem.load_model`."""
     from rsmem.loaders import build_model, build_tokenizer, read_checkpoint
 
     if n_threads is not None:
         torch.set_num_threads(n_threads)
     ckpt = read_checkpoint(path)
     model = build_model(ckpt, dtype)
+    if compile is not None:
+        model.set_compile(compile)
     tokenizer = None
     if ckpt.tokenizer is not None:
         data = ckpt.tokenizer
@@ -56,10 +64,14 @@ class LLM:
         state_dtype: torch.dtype = torch.float32,
         dtype: torch.dtype = torch.float32,
         n_threads: int | None = None,
+        compile: CompileSetting = None,
     ) -> None:
         if model is None or isinstance(model, str | os.PathLike):
             model, loaded_tokenizer = load_text_model(
-                default_model_path() if model is None else model, dtype=dtype, n_threads=n_threads
+                default_model_path() if model is None else model,
+                dtype=dtype,
+                n_threads=n_threads,
+                compile=compile,
             )
             tokenizer = tokenizer or loaded_tokenizer
         elif n_threads is not None:
