@@ -163,3 +163,13 @@ def test_blocked_scan_matches_reference(n_tokens: int) -> None:
     y = fused.selective_scan_blocked_(x, dt, A, B, C, D, h)
     torch.testing.assert_close(y, y_want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h, h_want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
+def test_warm_up_compiles_every_variant_without_touching_state() -> None:
+    model = _model("mamba")
+    assert model.warm_up() == 0.0  # not compiling: nothing to do
+    model.set_compile(True)
+    assert model.warm_up() > 0.0
+    steps = [v for v in vars(model).values() if isinstance(v, CompiledStep)]
+    assert steps and all(s._checked and s.failed is None for s in steps)

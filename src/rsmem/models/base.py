@@ -8,11 +8,12 @@ the residual stream around it: embedding, per layer ``read_states`` -> ``rms_nor
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, ClassVar
 
 import torch
 
-from rsmem.batch.batch import UBatch
+from rsmem.batch.batch import Batch, UBatch
 from rsmem.hugepages import huge_page_copies
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
@@ -109,6 +110,24 @@ class MambaFamilyModel:
             self._head_one = CompiledStep(head_one)
             self.make_compiled_steps()
         return self.compile_decode
+
+    def warm_up(self) -> float:
+        """Compile every step variant now, on a scratch memory (nothing else is touched), so that a
+        server's first requests do not wait for it; returns the seconds it took (0 when not compiling).
+
+        Covers a one-sequence and a two-sequence prefill and decode: the batched variants have a dynamic
+        batch size, so every later width reuses them."""
+        if not self.compile_decode:
+            return 0.0
+        from rsmem.context import Context  # imported here: rsmem.context imports the models package
+
+        started = time.perf_counter()
+        ctx = Context(self, n_seq_max=2)
+        ctx.decode(Batch([1] * 20, seq_ids=[[0]] * 20))
+        ctx.decode(Batch([1] * 6, seq_ids=[[0]] * 3 + [[1]] * 3))
+        ctx.decode(Batch([1], seq_ids=[[0]]))
+        ctx.decode(Batch([1, 1], seq_ids=[[0], [1]], logits=[True, True]))
+        return time.perf_counter() - started
 
     def make_compiled_steps(self) -> None:
         """Create the architecture's :class:`~rsmem.models.compiled.CompiledStep` objects."""
