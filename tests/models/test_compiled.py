@@ -173,3 +173,20 @@ def test_warm_up_compiles_every_variant_without_touching_state() -> None:
     assert model.warm_up() > 0.0
     steps = [v for v in vars(model).values() if isinstance(v, CompiledStep)]
     assert steps and all(s._checked and s.failed is None for s in steps)
+
+
+@pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_no_recompiles_after_warm_up(arch: str) -> None:
+    """Prompt lengths and batch widths vary in a server: after warm_up nothing may compile again."""
+    model = _model(arch)
+    model.set_compile(True)
+    model.warm_up()
+    ctx = rsmem.Context(model, n_seq_max=6, n_batch=128)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for n_tokens in (5, 17, 33):
+            ctx.memory.clear()
+            ctx.decode(rsmem.Batch([3] * n_tokens, seq_ids=[[0]] * n_tokens))
+            ctx.decode(rsmem.Batch([4] * (2 * n_tokens), seq_ids=[[1]] * n_tokens + [[2]] * n_tokens))
+        for width in (1, 2, 3, 5):
+            ctx.decode(rsmem.Batch([5] * width, seq_ids=[[s] for s in range(width)], logits=[True] * width))

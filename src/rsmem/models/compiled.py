@@ -28,6 +28,9 @@ import torch
 
 # Models with fewer matrix weights than this decode eagerly under "auto" (the default model has ~2.5M).
 AUTO_MIN_WEIGHTS = 16 << 20
+# Compilations torch keeps per function (its default is 8): each model shape in a process needs a few
+# (one sequence, a dynamic batch), and tests or a server may hold several models.
+RECOMPILE_LIMIT = 64
 
 CompileSetting = bool | str | None
 
@@ -55,6 +58,15 @@ def resolve_compile(setting: CompileSetting, n_matrix_weights: int, device: torc
     return bool(setting) and hasattr(torch, "compile")
 
 
+def zeros_mirroring(t: torch.Tensor, extra_rows: int = 0) -> torch.Tensor:
+    """Zeros that pass the same compile guards as ``t``: its strides (a split view keeps its row stride),
+    dtype, device and inference-ness (weights are normal tensors, activations inference tensors), with
+    ``extra_rows`` more rows in dimension 0."""
+    with torch.inference_mode(t.is_inference()):
+        shape = (t.shape[0] + extra_rows, *t.shape[1:]) if t.dim() else t.shape
+        return torch.empty_strided(shape, t.stride(), dtype=t.dtype, device=t.device).zero_()
+
+
 class CompiledStep:
     """One function of :mod:`rsmem.models.ops.fused` under ``torch.compile``, checked before first use.
 
@@ -67,6 +79,8 @@ class CompiledStep:
         self.fn = fn
         self.batch_args = batch_args
         self._compiled = torch.compile(fn, fullgraph=True, dynamic=None if batch_args else False)
+        if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+            torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
         self.failed: BaseException | None = None
         self._checked = False
 
@@ -75,11 +89,8 @@ class CompiledStep:
         and a warning, when that fails. Runs once."""
         if not self._checked:
             self._checked = True
-            extra = 1 if self.batch_args else 0  # a batch size the real calls don't specialise on
             dummy = tuple(
-                torch.zeros((a.shape[0] + extra, *a.shape[1:]), dtype=a.dtype, device=a.device)
-                if i in self.batch_args
-                else torch.zeros_like(a)
+                zeros_mirroring(a, extra_rows=1 if i in self.batch_args else 0)
                 if isinstance(a, torch.Tensor)
                 else a
                 for i, a in enumerate(args)
@@ -103,5 +114,14 @@ class CompiledStep:
     def __call__(self, *args: Any) -> torch.Tensor:
         """The compiled function when it works here, else the eager one (same results)."""
         if self.check(args):
-            return self._call(args)
+            try:
+                return self._call(args)
+            except torch._dynamo.exc.FailOnRecompileLimitHit as exc:  # raised before anything ran
+                self.failed = exc
+                warnings.warn(
+                    f"rsmem: {self.fn.__name__} needs more than {RECOMPILE_LIMIT} compilations in this "
+                    "process, running it eagerly from now on",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         return self.fn(*args)

@@ -129,10 +129,15 @@ def selective_scan_blocked_(
     n_tokens = x.shape[1]
     pad = (-n_tokens) % SCAN_BLOCK
     xp, dtp, Bp, Cp = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (x, dt, B, C))
-    state, ys = h, []
+    # Every block gets fresh tensors with the same strides and kind whatever the prompt length (a slice's
+    # strides depend on it, even along a size-1 batch dimension): one compilation serves every prompt.
+    state, ys = h.clone(), []
     for i in range(0, n_tokens + pad, SCAN_BLOCK):
         j = i + SCAN_BLOCK
-        y, state = block(state, dtp[:, i:j], xp[:, i:j], A, Bp[:, i:j], Cp[:, i:j])
+        dt_b, x_b, B_b, C_b = (
+            torch.empty(t[:, i:j].shape, dtype=t.dtype).copy_(t[:, i:j]) for t in (dtp, xp, Bp, Cp)
+        )
+        y, state = block(state, dt_b, x_b, A, B_b, C_b)
         ys.append(y)
     h.copy_(state)
     y = torch.cat(ys, dim=1)[:, :n_tokens] if len(ys) > 1 or pad else ys[0]
