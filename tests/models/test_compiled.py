@@ -14,6 +14,7 @@ from rsmem.models.compiled import AUTO_MIN_WEIGHTS, CompiledStep, resolve_compil
 from rsmem.models.mamba import MambaConfig
 from rsmem.models.mamba2 import Mamba2Config
 from rsmem.models.ops import fused
+from rsmem.models.ops.packed import packing_enabled
 from rsmem.models.random_init import random_mamba, random_mamba2
 
 CPU = torch.device("cpu")
@@ -190,3 +191,16 @@ def test_no_recompiles_after_warm_up(arch: str) -> None:
             ctx.decode(rsmem.Batch([4] * (2 * n_tokens), seq_ids=[[1]] * n_tokens + [[2]] * n_tokens))
         for width in (1, 2, 3, 5):
             ctx.decode(rsmem.Batch([5] * width, seq_ids=[[s] for s in range(width)], logits=[True] * width))
+
+
+def test_bf16_single_sequence_stays_eager() -> None:
+    """bf16 matrices are held [in, out]: the one-row compiled step would stream them across rows, so a
+    single sequence decodes eagerly (several still use the compiled mixer)."""
+    cfg = Mamba2Config(d_model=32, n_layer=2, n_vocab=64, d_state=8, n_head=4, n_group=2)
+    bf16 = random_mamba2(cfg, seed=3, dtype=torch.bfloat16)
+    bf16.set_compile(True)
+    ctx = rsmem.Context(bf16, n_seq_max=2)
+    ctx.decode(rsmem.Batch([1, 2], seq_ids=[[0], [0]]))
+    assert not bf16._layer_one._checked and not bf16._head_one._checked
+    assert not bf16._rows_contiguous
+    assert _model("mamba2")._rows_contiguous == packing_enabled()  # f32 with packing: held [out, in]

@@ -82,6 +82,9 @@ class MambaFamilyModel:
             for matrix in matrices:
                 self.packed.add(matrix)
         self._n_matrix_weights = sum(m.numel() for m in matrices)
+        # The one-sequence compiled step streams [out, in] rows: only worth it when the matrices are held
+        # that way (float32 with packing); bf16 [in, out] copies decode one sequence faster eagerly.
+        self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
         self.compile_decode = False
         self.set_compile(None)
 
@@ -147,7 +150,7 @@ class MambaFamilyModel:
         eps = self.config.eps
         tokens = ubatch.token_tensor()  # [Bs, L]
         n_seqs, n_tokens = tokens.shape
-        if n_tokens == 1 and self.compile_decode:
+        if n_tokens == 1 and self.compile_decode and (n_seqs > 1 or self._rows_contiguous):
             return self.decode_forward(tokens[:, 0], ubatch, states)
         x = self.embedding[tokens]  # [Bs, L, d_model], a fresh tensor: the residual adds in place
         for il, layer in enumerate(self.layers):

@@ -20,7 +20,7 @@ def _decay(g: torch.Generator, *shape: int) -> torch.Tensor:
     return -torch.exp(torch.rand(*shape, generator=g) * math.log(16))
 
 
-def random_mamba(config: MambaConfig, seed: int = 0) -> MambaModel:
+def random_mamba(config: MambaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> MambaModel:
     g = torch.Generator().manual_seed(seed)
     c = config
     layers = [
@@ -39,10 +39,10 @@ def random_mamba(config: MambaConfig, seed: int = 0) -> MambaModel:
         for _ in range(c.n_layer)
     ]
     embedding = _normal(g, c.n_vocab, c.d_model)
-    return MambaModel(c, MambaWeights(embedding, layers, torch.ones(c.d_model), embedding))
+    return MambaModel(c, MambaWeights(embedding, layers, torch.ones(c.d_model), embedding), dtype=dtype)
 
 
-def random_mamba2(config: Mamba2Config, seed: int = 0) -> Mamba2Model:
+def random_mamba2(config: Mamba2Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> Mamba2Model:
     g = torch.Generator().manual_seed(seed)
     c = config
     layers = [
@@ -60,7 +60,7 @@ def random_mamba2(config: Mamba2Config, seed: int = 0) -> Mamba2Model:
         for _ in range(c.n_layer)
     ]
     embedding = _normal(g, c.n_vocab, c.d_model)
-    return Mamba2Model(c, Mamba2Weights(embedding, layers, torch.ones(c.d_model), embedding))
+    return Mamba2Model(c, Mamba2Weights(embedding, layers, torch.ones(c.d_model), embedding), dtype=dtype)
 
 
 def mamba_130m(seed: int = 0) -> MambaModel:
