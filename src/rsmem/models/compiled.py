@@ -2,18 +2,21 @@
 
 A decode step is dozens of tiny ops per layer; eagerly their dispatch costs as much as the arithmetic, and a
 one-sequence step spends most of its time streaming weights. The functions of
-:mod:`rsmem.models.ops.fused` compiled by inductor make one or two C++ kernels per layer of them: one-sequence
-decode of the 130M models runs ~1.6x faster, 64 sequences of Mamba-2 ~1.5x (``bench/throughput.py``).
+:mod:`rsmem.models.ops.fused` compiled by inductor make one or two C++ kernels per layer of them: on the 130M
+models (``bench/throughput.py``) one-sequence decode runs ~1.3x faster, 64 sequences of Mamba-2 ~1.25x, and
+Mamba prefill, through compiled scan blocks, ~2x.
 
 Policy (``compile=`` of :func:`rsmem.load_model`, else the ``RSMEM_COMPILE`` environment variable):
 ``"auto"`` (the default) compiles for CPU models with at least ``AUTO_MIN_WEIGHTS`` matrix weights when a
 C++ compiler is on the PATH (compiling costs seconds at the first decode step, which a tiny model never wins
-back); ``"1"``/True always, ``"0"``/False never. Prefill (several tokens a sequence) always runs eagerly.
+back); ``"1"``/True always, ``"0"``/False never. Of prefill only Mamba's scan is compiled (Mamba-2's SSD
+is made of large products already).
 
-Safety: a compiled function is first run on zero tensors of the real shapes, never on the memory's rows, so a
-machine where compiling fails (no compiler, an inductor bug) falls back to the eager path with a warning
-before any state was touched. Each variant (one sequence; several sequences, with a dynamic batch size so
-that continuous batching does not recompile) is compiled once per model shape.
+Safety: a compiled function is first run on zero tensors mirroring the real arguments, never on the memory's
+rows, so a machine where compiling fails (no compiler, an inductor bug) falls back to the eager path with a
+warning before any state was touched. Each variant (one sequence; several sequences, with a dynamic batch
+size so that continuous batching does not recompile) is compiled once per model shape; creating one raises
+torch's per-function recompile limit to ``RECOMPILE_LIMIT`` (a process-wide dynamo setting).
 """
 
 from __future__ import annotations
