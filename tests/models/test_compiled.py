@@ -204,3 +204,27 @@ def test_bf16_single_sequence_stays_eager() -> None:
     assert not bf16._layer_one._checked and not bf16._head_one._checked
     assert not bf16._rows_contiguous
     assert _model("mamba2")._rows_contiguous == packing_enabled()  # f32 with packing: held [out, in]
+
+
+@pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_engine_with_compiled_steps_generates_what_eager_does(arch: str) -> None:
+    """Continuous batching (chunked prefills next to decodes of changing width) through compiled steps."""
+    import random
+
+    from rsmem.engine import Engine, SamplingParams
+
+    rng = random.Random(5)
+    requests = [
+        ([rng.randrange(64) for _ in range(rng.randrange(1, 30))], rng.randrange(2, 9)) for _ in range(8)
+    ]
+
+    def run(compile_decode: bool) -> list[tuple[int, ...]]:
+        model = _model(arch)
+        model.set_compile(compile_decode)
+        engine = Engine(rsmem.Context(model, n_seq_max=4, n_batch=64, n_ubatch=16), None, max_batch_tokens=24)
+        ids = [engine.add_request(p, SamplingParams.greedy(max_tokens=n)) for p, n in requests]
+        final = {o.request_id: o for o in engine.run_until_done() if o.finished}
+        return [final[i].outputs[0].token_ids for i in ids]
+
+    assert run(True) == run(False)
