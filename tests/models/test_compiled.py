@@ -54,7 +54,7 @@ def test_compiled_decode_matches_eager(arch: str) -> None:
         got = _run(model, True)
     assert model.compile_decode
     steps = [v for k, v in vars(model).items() if isinstance(v, CompiledStep)]
-    assert len(steps) >= 3 and all(s.failed is None for s in steps)
+    assert model._token_step_one._checked and all(s.failed is None for s in steps)
     for a, b in zip(got, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
 
@@ -201,7 +201,7 @@ def test_bf16_single_sequence_stays_eager() -> None:
     bf16.set_compile(True)
     ctx = rsmem.Context(bf16, n_seq_max=2)
     ctx.decode(rsmem.Batch([1, 2], seq_ids=[[0], [0]]))
-    assert not bf16._layer_one._checked and not bf16._head_one._checked
+    assert not bf16._token_step_one._checked
     assert not bf16._rows_contiguous
     assert _model("mamba2")._rows_contiguous == packing_enabled()  # f32 with packing: held [out, in]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -17,7 +18,7 @@ from rsmem.batch.batch import Batch, UBatch
 from rsmem.hugepages import huge_page_copies
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
-from rsmem.models.ops.fused import head_one
+from rsmem.models.ops.fused import token_step
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.protocol import StateAccess
@@ -109,8 +110,8 @@ class MambaFamilyModel:
         """Whether one-token steps run through ``torch.compile`` (see :mod:`rsmem.models.compiled`):
         ``"auto"``, True/False or ``"1"``/``"0"``; None reads ``RSMEM_COMPILE``. Returns the decision."""
         self.compile_decode = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
-        if self.compile_decode and not hasattr(self, "_head_one"):
-            self._head_one = CompiledStep(head_one)
+        if self.compile_decode and not hasattr(self, "_token_step_one"):
+            self._token_step_one = CompiledStep(token_step(*self.layer_one()))
             self.make_compiled_steps()
         return self.compile_decode
 
@@ -134,6 +135,15 @@ class MambaFamilyModel:
 
     def make_compiled_steps(self) -> None:
         """Create the architecture's :class:`~rsmem.models.compiled.CompiledStep` objects."""
+        raise NotImplementedError
+
+    def layer_one(self) -> tuple[Callable[..., torch.Tensor], int, tuple[float | int, ...]]:
+        """The architecture's one-sequence block of :mod:`~rsmem.models.ops.fused`, the number of tensors
+        :meth:`layer_one_args` gives it, and the constants that follow them."""
+        raise NotImplementedError
+
+    def layer_one_args(self, layer: Any, window: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One layer's tensors for the block of :meth:`layer_one`, matrices as ``[out, in]``."""
         raise NotImplementedError
 
     def decode_layer(
@@ -166,14 +176,19 @@ class MambaFamilyModel:
         """:meth:`forward` for one token a sequence (``tokens`` ``[Bs]``) through the compiled steps."""
         eps = self.config.eps
         x = self.embedding[tokens]  # [Bs, d_model]
+        if x.shape[0] == 1:  # every layer and the head in one compiled call
+            views = [self.state_views(*states.read_states(il), 1) for il in range(self.n_layer)]
+            flat = [t for ly, v in zip(self.layers, views, strict=True) for t in self.layer_one_args(ly, *v)]
+            logits = self._token_step_one(x, self.norm_f, self.lm_head.t(), eps, *flat)
+            for il, (window, h) in enumerate(views):
+                states.write_states(il, window, h)
+            return logits[: len(ubatch.output_rows())]
         for il, layer in enumerate(self.layers):
             r, s = states.read_states(il)
             window, h = self.state_views(r, s, x.shape[0])
             x = self.decode_layer(layer, x, window, h)
             states.write_states(il, window, h)
         x = output_rows(x, ubatch.output_rows())
-        if x.shape[0] == 1:
-            return self._head_one(x, self.norm_f, self.lm_head.t(), eps)
         return self.linear(rms_norm(x, self.norm_f, eps), self.lm_head).float()
 
     def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,10 @@ AUTO_MIN_WEIGHTS = 16 << 20
 # Compilations torch keeps per function (its default is 8): each model shape in a process needs a few
 # (one sequence, a dynamic batch), and tests or a server may hold several models.
 RECOMPILE_LIMIT = 64
+# Inductor options for rsmem's steps. The whole one-sequence step has ~270 inputs and ~200 intermediate
+# buffers: the generated Python wrapper's checks of each input's size and alignment cost ~0.3 ms a token,
+# and dynamo's guards already check shapes and strides before the call.
+INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 
 CompileSetting = bool | str | None
 
@@ -81,7 +85,9 @@ class CompiledStep:
     def __init__(self, fn: Callable[..., torch.Tensor], *, batch_args: tuple[int, ...] = ()) -> None:
         self.fn = fn
         self.batch_args = batch_args
-        self._compiled = torch.compile(fn, fullgraph=True, dynamic=None if batch_args else False)
+        self._compiled = torch.compile(
+            fn, fullgraph=True, dynamic=None if batch_args else False, options=dict(INDUCTOR_OPTIONS)
+        )
         if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
         self.failed: BaseException | None = None

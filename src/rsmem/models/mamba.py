@@ -8,6 +8,7 @@ Per layer: ``x + out_proj(gate(scan(silu(conv(in_x))), silu(z)))`` over ``rms_no
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -110,24 +111,30 @@ class MambaModel(MambaFamilyModel):
         return self.linear(y.mul_(F.silu(z)), layer.out_proj)
 
     def make_compiled_steps(self) -> None:
-        self._layer_one = CompiledStep(mamba_layer_one_)
         self._conv_step = CompiledStep(conv_step_, batch_args=(0, 1))
         self._ssm_step = CompiledStep(mamba_ssm_step_, batch_args=(0, 1, 2, 7))
         self._scan_block_one = CompiledStep(mamba_scan_block)
         self._scan_block_many = CompiledStep(mamba_scan_block, batch_args=(0, 1, 2, 4, 5))
 
+    def layer_one(self) -> tuple[Callable[..., torch.Tensor], int, tuple[float | int, ...]]:
+        return mamba_layer_one_, 12, (self.config.eps, self.config.dt_rank, self.config.d_state)
+
+    def layer_one_args(
+        self, layer: MambaLayer, window: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ly = layer
+        return (
+            ly.norm, ly.in_proj.t(), ly.conv_weight, ly.conv_bias, ly.x_proj.t(), ly.dt_proj, ly.dt_bias,
+            ly.A, ly.D, ly.out_proj.t(), window, h,
+        )  # fmt: skip
+
     def decode_layer(
         self, layer: MambaLayer, x: torch.Tensor, window: torch.Tensor, h: torch.Tensor
     ) -> torch.Tensor:
-        """One sequence: the whole block in one compiled function (products as fused reductions). Several:
-        the packed products eagerly, the conv and the state update compiled between them."""
+        """Several sequences: the packed products eagerly, the conv and the state update compiled between
+        them (one sequence runs the whole step as one compiled function, see ``decode_forward``)."""
         cfg = self.config
         ly = layer
-        if x.shape[0] == 1:
-            return self._layer_one(
-                x, ly.norm, ly.in_proj.t(), ly.conv_weight, ly.conv_bias, ly.x_proj.t(), ly.dt_proj,
-                ly.dt_bias, ly.A, ly.D, ly.out_proj.t(), window, h, cfg.eps, cfg.dt_rank, cfg.d_state,
-            )  # fmt: skip
         xs, z = self.linear(rms_norm(x, ly.norm, cfg.eps), ly.in_proj).split(cfg.d_inner, dim=-1)
         xc = self._conv_step(xs, window, ly.conv_weight, ly.conv_bias)
         dbc = self.linear(xc, ly.x_proj)

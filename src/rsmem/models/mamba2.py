@@ -8,6 +8,7 @@ SSM state ``[n_head, head_dim, d_state]`` (ggml ``[d_conv-1, conv_dim]`` and ``[
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -118,21 +119,27 @@ class Mamba2Model(MambaFamilyModel):
         return self.linear(y, layer.out_proj)
 
     def make_compiled_steps(self) -> None:
-        self._layer_one = CompiledStep(mamba2_layer_one_)
         self._mixer_step = CompiledStep(mamba2_mixer_step_, batch_args=(0, 1, 8))
+
+    def layer_one(self) -> tuple[Callable[..., torch.Tensor], int, tuple[float | int, ...]]:
+        return mamba2_layer_one_, 11, (self.config.n_group, self.config.eps)
+
+    def layer_one_args(
+        self, layer: Mamba2Layer, window: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ly = layer
+        return (
+            ly.norm, ly.in_proj.t(), ly.conv_weight, ly.conv_bias, ly.dt_bias, ly.A, ly.D, ly.ssm_norm,
+            ly.out_proj.t(), window, h,
+        )  # fmt: skip
 
     def decode_layer(
         self, layer: Mamba2Layer, x: torch.Tensor, window: torch.Tensor, h: torch.Tensor
     ) -> torch.Tensor:
-        """One sequence: the whole block in one compiled function (products as fused reductions). Several:
-        the packed products eagerly, everything between them in one compiled function."""
+        """Several sequences: the packed products eagerly, everything between them in one compiled function
+        (one sequence runs the whole step as one compiled function, see ``decode_forward``)."""
         cfg = self.config
         ly = layer
-        if x.shape[0] == 1:
-            return self._layer_one(
-                x, ly.norm, ly.in_proj.t(), ly.conv_weight, ly.conv_bias, ly.dt_bias, ly.A, ly.D,
-                ly.ssm_norm, ly.out_proj.t(), window, h, cfg.n_group, cfg.eps,
-            )  # fmt: skip
         zxbcdt = self.linear(rms_norm(x, ly.norm, cfg.eps), ly.in_proj)
         y = self._mixer_step(
             zxbcdt, window, ly.conv_weight, ly.conv_bias, ly.dt_bias, ly.A, ly.D, ly.ssm_norm, h,

@@ -213,3 +213,21 @@ def mamba2_layer_one_(
 def head_one(x: torch.Tensor, norm_f: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
     """Final norm and LM head for one row: ``[1, d_model]`` -> ``[1, n_vocab]`` logits."""
     return gemv(F.rms_norm(x, (x.shape[-1],), norm_f, eps), lm_head)
+
+
+def token_step(
+    layer_one: Callable[..., torch.Tensor], n_fields: int, consts: tuple[float | int, ...]
+) -> Callable[..., torch.Tensor]:
+    """A whole one-sequence decode step as one function, ``(x, norm_f, lm_head, eps, *flat) -> logits``:
+    ``layer_one`` over each layer's ``n_fields`` tensors of ``flat`` (then ``consts``), the final norm and
+    the head. Compiled, it is one call a token instead of one a layer: the ~25 us each call costs in
+    dynamo and Python is ~5-9% of a 130M model's token on this machine."""
+
+    def token_step_one(
+        x: torch.Tensor, norm_f: torch.Tensor, lm_head: torch.Tensor, eps: float, *flat: torch.Tensor
+    ) -> torch.Tensor:
+        for i in range(0, len(flat), n_fields):
+            x = layer_one(x, *flat[i : i + n_fields], *consts)
+        return head_one(x, norm_f, lm_head, eps)
+
+    return token_step_one
