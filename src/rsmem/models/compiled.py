@@ -2,7 +2,8 @@
 
 A decode step is dozens of tiny ops per layer; eagerly their dispatch costs as much as the arithmetic, and a
 one-sequence step spends most of its time streaming weights. The functions of
-:mod:`rsmem.models.ops.fused` compiled by inductor make one or two C++ kernels per layer of them: on the 130M
+:mod:`rsmem.models.ops.fused` compiled by inductor make a few C++ kernels of them (a one-sequence token is
+one compiled call: every block and the head): on the 130M
 models (``bench/throughput.py``) one-sequence decode runs ~1.3x faster, 64 sequences of Mamba-2 ~1.25x, and
 Mamba prefill, through compiled scan blocks, ~2x.
 

@@ -12,6 +12,8 @@ is chosen for what inductor makes of them on a CPU:
   the in-place store of the new one. Each state row is then read from memory once and written once per
   step (the form that reduces over ``h_t`` stores it to a temporary, writes it again, and reads it back:
   ~3x slower at 64 sequences of Mamba-2).
+- :func:`token_step` chains the one-sequence blocks and the head into one function: one compiled call a
+  token.
 - :func:`mamba_scan_block` is Mamba's recurrence over 16 tokens as plain steps, unrolled by inductor.
 
 Shapes: ``x`` is the residual stream ``[Bs, d_model]``; matrices are ``[out, in]`` (any strides); ``window``
