@@ -97,20 +97,21 @@ def test_fused_steps_match_the_model_ops_eagerly() -> None:
 
 
 def test_failed_compile_falls_back_before_touching_state(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Compiling is tried on zero tensors first: when it fails the eager function runs and the real
-    arguments are changed once, by the eager run only."""
+    """Compiling is tried on stand-ins for the written and batch arguments first: when it fails the eager
+    function runs and the real state is changed once, by the eager run only. Read-only arguments (weights)
+    are passed as they are, never copied."""
+    seen: list[tuple[int, ...]] = []
 
     def broken_compile(fn, **kwargs):
         def run(*args):
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    a.add_(100.0)  # a failure after writing to its inputs
+            seen.append(tuple(id(a) for a in args))
+            args[1].add_(100.0)  # a failure after writing to the state it updates
             raise RuntimeError("no C++ compiler")
 
         return run
 
     monkeypatch.setattr(compiled.torch, "compile", broken_compile)
-    step = CompiledStep(fused.conv_step_, batch_args=(0, 1))
+    step = CompiledStep(fused.conv_step_, batch_args=(0,), mutated=(1,))
     x, window = torch.randn(2, 6), torch.randn(2, 6, 3)
     w, b = torch.randn(6, 4), torch.randn(6)
     want_window = window.clone()
@@ -118,6 +119,7 @@ def test_failed_compile_falls_back_before_touching_state(monkeypatch: pytest.Mon
     with pytest.warns(RuntimeWarning, match="no C.. compiler"):
         got = step(x, window, w, b)
     assert step.failed is not None
+    assert seen[0][2:] == (id(w), id(b)) and id(x) not in seen[0] and id(window) not in seen[0]
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(window, want_window)
     with warnings.catch_warnings():

@@ -111,7 +111,12 @@ class MambaFamilyModel:
         ``"auto"``, True/False or ``"1"``/``"0"``; None reads ``RSMEM_COMPILE``. Returns the decision."""
         self.compile_decode = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
         if self.compile_decode and not hasattr(self, "_token_step_one"):
-            self._token_step_one = CompiledStep(token_step(*self.layer_one()))
+            layer_fn, n_fields, consts = self.layer_one()
+            # args: x, norm_f, lm_head, eps, then per layer n_fields tensors ending with window and h
+            self._token_step_one = CompiledStep(
+                token_step(layer_fn, n_fields, consts),
+                mutated=lambda i: i >= 4 and (i - 4) % n_fields >= n_fields - 2,
+            )
             self.make_compiled_steps()
         return self.compile_decode
 
@@ -143,7 +148,8 @@ class MambaFamilyModel:
         raise NotImplementedError
 
     def layer_one_args(self, layer: Any, window: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One layer's tensors for the block of :meth:`layer_one`, matrices as ``[out, in]``."""
+        """One layer's tensors for the block of :meth:`layer_one`, matrices as ``[out, in]``, ending with
+        ``window`` and ``h`` (the states it updates)."""
         raise NotImplementedError
 
     def decode_layer(

@@ -80,12 +80,21 @@ class CompiledStep:
 
     ``batch_args``: positions of the arguments whose dimension 0 is the batch. When given, that dimension is
     marked dynamic, so every batch size of two or more shares one compilation; otherwise shapes are static
-    (the one-sequence variants).
+    (the one-sequence variants). ``mutated``: the positions of the arguments the function writes (or a
+    predicate on the position); only those and the batch arguments get zero stand-ins for the first,
+    checking run, the rest (weights) are passed as they are, so checking never copies a model.
     """
 
-    def __init__(self, fn: Callable[..., torch.Tensor], *, batch_args: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor],
+        *,
+        batch_args: tuple[int, ...] = (),
+        mutated: tuple[int, ...] | Callable[[int], bool] = (),
+    ) -> None:
         self.fn = fn
         self.batch_args = batch_args
+        self._mutated = mutated if callable(mutated) else mutated.__contains__
         self._compiled = torch.compile(
             fn, fullgraph=True, dynamic=None if batch_args else False, options=dict(INDUCTOR_OPTIONS)
         )
@@ -95,13 +104,13 @@ class CompiledStep:
         self._checked = False
 
     def check(self, args: tuple[Any, ...]) -> bool:
-        """Compile by running on zero tensors shaped like ``args`` (the memory's rows stay untouched); False,
-        and a warning, when that fails. Runs once."""
+        """Compile by running on zero stand-ins for the written and batch arguments (the memory's rows stay
+        untouched); False, and a warning, when that fails. Runs once."""
         if not self._checked:
             self._checked = True
             dummy = tuple(
                 zeros_mirroring(a, extra_rows=1 if i in self.batch_args else 0)
-                if isinstance(a, torch.Tensor)
+                if isinstance(a, torch.Tensor) and (i in self.batch_args or self._mutated(i))
                 else a
                 for i, a in enumerate(args)
             )

@@ -111,8 +111,8 @@ class MambaModel(MambaFamilyModel):
         return self.linear(y.mul_(F.silu(z)), layer.out_proj)
 
     def make_compiled_steps(self) -> None:
-        self._conv_step = CompiledStep(conv_step_, batch_args=(0, 1))
-        self._ssm_step = CompiledStep(mamba_ssm_step_, batch_args=(0, 1, 2, 7))
+        self._conv_step = CompiledStep(conv_step_, batch_args=(0, 1), mutated=(1,))
+        self._ssm_step = CompiledStep(mamba_ssm_step_, batch_args=(0, 1, 2, 7), mutated=(7,))
         self._scan_block_one = CompiledStep(mamba_scan_block)
         self._scan_block_many = CompiledStep(mamba_scan_block, batch_args=(0, 1, 2, 4, 5))
 

@@ -119,7 +119,7 @@ class Mamba2Model(MambaFamilyModel):
         return self.linear(y, layer.out_proj)
 
     def make_compiled_steps(self) -> None:
-        self._mixer_step = CompiledStep(mamba2_mixer_step_, batch_args=(0, 1, 8))
+        self._mixer_step = CompiledStep(mamba2_mixer_step_, batch_args=(0, 1, 8), mutated=(1, 8))
 
     def layer_one(self) -> tuple[Callable[..., torch.Tensor], int, tuple[float | int, ...]]:
         return mamba2_layer_one_, 11, (self.config.n_group, self.config.eps)
