@@ -13,8 +13,9 @@ C++ compiler is on the PATH (compiling costs seconds at the first decode step, w
 back); ``"1"``/True always, ``"0"``/False never. Of prefill only Mamba's scan is compiled (Mamba-2's SSD
 is made of large products already).
 
-Safety: a compiled function is first run on zero tensors mirroring the real arguments, never on the memory's
-rows, so a machine where compiling fails (no compiler, an inductor bug) falls back to the eager path with a
+Safety: a compiled function is first run with zero stand-ins for the arguments it writes (weights are
+passed as they are), never on the memory's rows, so a machine where compiling fails (no compiler, an
+inductor bug) falls back to the eager path with a
 warning before any state was touched. Each variant (one sequence; several sequences, with a dynamic batch
 size so that continuous batching does not recompile) is compiled once per model shape; creating one raises
 torch's per-function recompile limit to ``RECOMPILE_LIMIT`` (a process-wide dynamo setting).
