@@ -199,11 +199,17 @@ def test_bf16_single_sequence_stays_eager() -> None:
     """bf16 matrices are held [in, out]: the one-row compiled step would stream them across rows, so a
     single sequence decodes eagerly (several still use the compiled mixer)."""
     cfg = Mamba2Config(d_model=32, n_layer=2, n_vocab=64, d_state=8, n_head=4, n_group=2)
-    bf16 = random_mamba2(cfg, seed=3, dtype=torch.bfloat16)
-    bf16.set_compile(True)
-    ctx = rsmem.Context(bf16, n_seq_max=2)
-    ctx.decode(rsmem.Batch([1, 2], seq_ids=[[0], [0]]))
-    assert not bf16._token_step_one._checked
+    logits = {}
+    for compile_decode in (False, True):
+        bf16 = random_mamba2(cfg, seed=3, dtype=torch.bfloat16)
+        bf16.set_compile(compile_decode)
+        ctx = rsmem.Context(bf16, n_seq_max=2)
+        ctx.decode(rsmem.Batch([1, 2, 3, 4], seq_ids=[[0], [0], [1], [1]]))
+        ctx.decode(rsmem.Batch([5], seq_ids=[[0]]))
+        ctx.decode(rsmem.Batch([6, 7], seq_ids=[[0], [1]], logits=[True, True]))  # the compiled mixer
+        logits[compile_decode] = ctx.logits
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-4)
+    assert not bf16._token_step_one._checked and bf16._mixer_step._checked
     assert not bf16._rows_contiguous
     assert _model("mamba2")._rows_contiguous == packing_enabled()  # f32 with packing: held [out, in]
 
