@@ -87,6 +87,9 @@ def _load(args: argparse.Namespace, n_seq_max: int):
     )
     if llm.tokenizer is None:
         raise RsmemError(f"{path} has no tokenizer: text generation needs one")
+    if getattr(llm.model, "compile_decode", False):  # say so, and pay it now rather than mid-generation
+        sys.stderr.write("[compiling decode steps (torch.compile; cached for later runs)...]\n")
+        sys.stderr.write(f"[compiled in {llm.model.warm_up():.1f} s]\n")
     return llm
 
 
@@ -334,9 +337,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     llm = _load(args, n_seq_max=args.parallel)
     model_path = _model_path(args.model)
-    if getattr(llm.model, "compile_decode", False):  # compile now, not during the first requests
-        sys.stderr.write("rsmem serve: compiling the decode steps (torch.compile)...\n")
-        sys.stderr.write(f"rsmem serve: compiled in {llm.model.warm_up():.1f} s\n")
     slot_dir = Path(args.slot_save_path) if args.slot_save_path else None
     if slot_dir is not None:
         slot_dir.mkdir(parents=True, exist_ok=True)
