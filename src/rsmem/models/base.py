@@ -155,8 +155,9 @@ class MambaFamilyModel:
     def decode_layer(
         self, layer: Any, x: torch.Tensor, window: torch.Tensor, h: torch.Tensor
     ) -> torch.Tensor:
-        """One block for one token of every sequence through the compiled steps: ``x`` ``[Bs, d_model]``
-        -> the new residual; updates ``window`` and ``h`` in place."""
+        """One block for one token of each of several sequences (two or more) through the compiled steps:
+        ``x`` ``[Bs, d_model]`` -> the new residual; updates ``window`` and ``h`` in place. (One sequence
+        runs the whole token as one compiled call: :meth:`layer_one`.)"""
         raise NotImplementedError
 
     def is_recurrent_layer(self, il: int) -> bool:
