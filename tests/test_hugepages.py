@@ -41,3 +41,27 @@ def test_copies_outlive_everything_but_themselves() -> None:
     copy = huge_page_copies([torch.full((hugepages.MIN_BYTES // 4,), 2.0)])[0]
     gc.collect()
     assert float(copy[-1]) == 2.0
+
+
+def test_zeros_are_allocated_in_place_or_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rsmem.hugepages import huge_page_zeros
+
+    shapes = [(4, 1 << 20), (3, 5), (2, 1 << 19)]
+    zeros = huge_page_zeros(shapes, torch.float32)
+    assert [tuple(z.shape) for z in zeros] == shapes and all(z.dtype == torch.float32 for z in zeros)
+    assert all(float(z.abs().sum()) == 0.0 for z in zeros)
+    assert zeros[0].data_ptr() % hugepages.HUGE_PAGE == 0  # large: one huge-page mapping
+    assert all(z.data_ptr() % hugepages.ALIGN == 0 for z in zeros)
+    zeros[1].fill_(1.0)
+    assert float(zeros[0].abs().sum()) == 0.0 and float(zeros[2].abs().sum()) == 0.0  # no overlap
+    small = huge_page_zeros([(3, 3)], torch.bfloat16)
+    assert small[0].dtype == torch.bfloat16 and float(small[0].float().abs().sum()) == 0.0
+
+
+def test_a_large_state_memory_lives_on_one_mapping() -> None:
+    from rsmem.memory.recurrent import RecurrentMemory, StateShape
+
+    mem = RecurrentMemory(StateShape(n_layer=4, n_embd_r=3 * 1536, n_embd_s=1536 * 16 * 64), n_seq_max=2)
+    rows = [t for t in (*mem.r_l, *mem.s_l) if t is not None]
+    base = min(t.data_ptr() for t in rows)
+    assert base % hugepages.HUGE_PAGE == 0 and all(float(t.abs().sum()) == 0.0 for t in rows)

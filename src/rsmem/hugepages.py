@@ -15,6 +15,7 @@ they were.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -25,29 +26,50 @@ HUGE_PAGE = 2 << 20
 MIN_BYTES = 16 << 20  # below this the copies are not worth it (and the small default model stays as it is)
 
 
-def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous CPU copies of ``tensors`` in one huge-page-advised mapping (the originals when the
-    platform cannot, when any is not a contiguous CPU tensor, or when they are small)."""
-    if not tensors or not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get("RSMEM_HUGEPAGES") == "0":
-        return tensors
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-        return tensors
+def _enabled() -> bool:
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("RSMEM_HUGEPAGES") != "0"
+
+
+def _arena(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
+    """Zero tensors of the given shapes and dtypes, one after another (``ALIGN``-aligned) in one anonymous
+    mapping advised ``MADV_HUGEPAGE`` (anonymous memory comes zero-filled); None when it cannot be had."""
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
     offsets, total = [], 0
-    for t in tensors:
+    for nbytes in sizes:
         offsets.append(total)
-        total += -(-t.nbytes // ALIGN) * ALIGN
-    if total < MIN_BYTES:
-        return tensors
+        total += -(-nbytes // ALIGN) * ALIGN
     try:
         arena = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         arena.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError):
-        return tensors
+        return None
     raw = torch.frombuffer(arena, dtype=torch.uint8)  # holds the mapping as long as any view lives
     start = (-raw.data_ptr()) % HUGE_PAGE
-    copies = []
-    for t, off in zip(tensors, offsets, strict=True):
-        dst = raw[start + off : start + off + t.nbytes].view(t.dtype).view(t.shape)
+    return [
+        raw[start + off : start + off + nbytes].view(dtype).view(shape)
+        for (shape, dtype), off, nbytes in zip(specs, offsets, sizes, strict=True)
+    ]
+
+
+def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous CPU copies of ``tensors`` in one huge-page-advised mapping (the originals when the
+    platform cannot, when any is not a contiguous CPU tensor, or when they are small)."""
+    if not tensors or not _enabled() or sum(t.nbytes for t in tensors) < MIN_BYTES:
+        return tensors
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return tensors
+    copies = _arena([(tuple(t.shape), t.dtype) for t in tensors])
+    if copies is None:
+        return tensors
+    for dst, t in zip(copies, tensors, strict=True):
         dst.copy_(t)
-        copies.append(dst)
     return copies
+
+
+def huge_page_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """CPU zero tensors of ``shapes``: in one huge-page mapping, allocated there directly (no copy, no
+    second allocation: a server's state memory can be gigabytes), or plain ``torch.zeros`` when small or
+    not available."""
+    nbytes = sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()
+    tensors = _arena([(s, dtype) for s in shapes]) if shapes and _enabled() and nbytes >= MIN_BYTES else None
+    return tensors if tensors is not None else [torch.zeros(s, dtype=dtype) for s in shapes]

@@ -19,7 +19,7 @@ import torch
 from rsmem.batch.allocator import BatchAllocator
 from rsmem.batch.batch import UBatch
 from rsmem.errors import UnknownSequenceError
-from rsmem.hugepages import huge_page_copies
+from rsmem.hugepages import huge_page_zeros
 from rsmem.memory.cells import CellTable
 from rsmem.memory.context import MemoryStatus, RecurrentMemoryContext
 
@@ -58,25 +58,24 @@ class RecurrentMemory:
         self.size = self.n_seq_max
         self.dtype = dtype
         self.device = torch.device(device)
-        self.r_l: list[torch.Tensor | None] = []
-        self.s_l: list[torch.Tensor | None] = []
-        for il in range(shape.n_layer):
-            keep = layer_filter is None or layer_filter(il)
-            self.r_l.append(self._zeros(shape.n_embd_r) if keep else None)
-            self.s_l.append(self._zeros(shape.n_embd_s) if keep else None)
-        if self.device.type == "cpu":  # large state rows stream faster from huge pages (rsmem.hugepages)
-            kept = [t for t in (*self.r_l, *self.s_l) if t is not None]
-            moved = dict(zip(map(id, kept), huge_page_copies(kept), strict=True))
-            self.r_l = [None if t is None else moved[id(t)] for t in self.r_l]
-            self.s_l = [None if t is None else moved[id(t)] for t in self.s_l]
+        kept = [il for il in range(shape.n_layer) if layer_filter is None or layer_filter(il)]
+        rows = self._zeros([(self.size, n) for _ in kept for n in (shape.n_embd_r, shape.n_embd_s)])
+        self.r_l: list[torch.Tensor | None] = [None] * shape.n_layer
+        self.s_l: list[torch.Tensor | None] = [None] * shape.n_layer
+        for k, il in enumerate(kept):
+            self.r_l[il], self.s_l[il] = rows[2 * k], rows[2 * k + 1]
         self.cells = CellTable.empty(self.size)
         self.head = 0
         self.used = 0
         self.n = 0  # cells [head, head+n) touched by the last find_slot
         self.rs_z = -1  # a cell in that range with no references: its row is zeroed for new sequences
 
-    def _zeros(self, n_embd: int) -> torch.Tensor:
-        return torch.zeros(self.size, n_embd, dtype=self.dtype, device=self.device)
+    def _zeros(self, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """The state tensors; on the CPU large ones live on huge pages, where they stream faster
+        (:mod:`rsmem.hugepages`)."""
+        if self.device.type == "cpu":
+            return huge_page_zeros(shapes, self.dtype)
+        return [torch.zeros(s, dtype=self.dtype, device=self.device) for s in shapes]
 
     # ----------------------------------------------------------------- sizes
 
