@@ -40,9 +40,7 @@ def load_text_model(
     if n_threads is not None:
         torch.set_num_threads(n_threads)
     ckpt = read_checkpoint(path)
-    model = build_model(ckpt, dtype)
-    if compile is not None:
-        model.set_compile(compile)
+    model = build_model(ckpt, dtype, compile)
     tokenizer = None
     if ckpt.tokenizer is not None:
         data = ckpt.tokenizer

@@ -52,9 +52,7 @@ def load_model(
     if n_threads is not None:
         torch.set_num_threads(n_threads)
     ckpt = read_checkpoint(path)
-    model = build_model(ckpt, dtype)
-    if compile is not None:
-        model.set_compile(compile)
+    model = build_model(ckpt, dtype, compile)
     if ckpt.tokenizer is not None:
         model.tokenizer = build_tokenizer(ckpt.tokenizer)
     return model

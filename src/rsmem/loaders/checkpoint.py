@@ -13,6 +13,7 @@ import torch
 
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.tokenizer import TokenizerData
+from rsmem.models.compiled import CompileSetting
 from rsmem.models.mamba import MambaConfig, MambaLayer, MambaModel, MambaWeights
 from rsmem.models.mamba2 import Mamba2Config, Mamba2Layer, Mamba2Model, Mamba2Weights
 
@@ -59,12 +60,14 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> MambaModel | Mamba2Model:
-    """Make the model of ``ckpt.arch`` from its tensors."""
+def build_model(
+    ckpt: Checkpoint, dtype: torch.dtype = torch.float32, compile: CompileSetting = None
+) -> MambaModel | Mamba2Model:
+    """Make the model of ``ckpt.arch`` from its tensors (``compile``: see ``set_compile`` of the models)."""
     if ckpt.arch == "mamba":
-        return MambaModel(ckpt.config, _mamba_weights(ckpt), dtype=dtype)  # type: ignore[arg-type]
+        return MambaModel(ckpt.config, _mamba_weights(ckpt), dtype=dtype, compile=compile)  # type: ignore[arg-type]
     if ckpt.arch == "mamba2":
-        return Mamba2Model(ckpt.config, _mamba2_weights(ckpt), dtype=dtype)  # type: ignore[arg-type]
+        return Mamba2Model(ckpt.config, _mamba2_weights(ckpt), dtype=dtype, compile=compile)  # type: ignore[arg-type]
     raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
 
 

@@ -56,9 +56,10 @@ class MambaFamilyModel:
         dtype: torch.dtype,
         conv_channels: int,
         state_shape: tuple[int, ...],
+        compile: CompileSetting = None,
     ):
         """``conv_channels``: channels of the conv window (``r`` is ``[conv_channels, d_conv-1]`` per
-        sequence); ``state_shape``: one sequence's SSM state ``s``."""
+        sequence); ``state_shape``: one sequence's SSM state ``s``; ``compile``: see :meth:`set_compile`."""
         self.config = config
         self.dtype = dtype
         self.n_vocab = config.n_vocab
@@ -87,7 +88,7 @@ class MambaFamilyModel:
         # that way (float32 with packing); bf16 [in, out] copies decode one sequence faster eagerly.
         self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
         self.compile_decode = False
-        self.set_compile(None)
+        self.set_compile(compile)
 
     def _to_huge_pages(self) -> None:
         """Move the embedding, the head and every matrix onto huge pages (see :mod:`rsmem.hugepages`): a

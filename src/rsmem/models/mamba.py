@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.models.base import MambaFamilyModel
-from rsmem.models.compiled import CompiledStep
+from rsmem.models.compiled import CompiledStep, CompileSetting
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.fused import (
     conv_step_,
@@ -85,11 +85,19 @@ class MambaModel(MambaFamilyModel):
     arch = "mamba"
     matrices = ("in_proj", "x_proj", "out_proj")
 
-    def __init__(self, config: MambaConfig, weights: MambaWeights, *, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: MambaConfig,
+        weights: MambaWeights,
+        *,
+        dtype: torch.dtype = torch.float32,
+        compile: CompileSetting = None,
+    ):
         super().__init__(
             config,
             weights,
             dtype=dtype,
+            compile=compile,
             conv_channels=config.d_inner,
             state_shape=(config.d_inner, config.d_state),
         )

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.models.base import MambaFamilyModel
-from rsmem.models.compiled import CompiledStep
+from rsmem.models.compiled import CompiledStep, CompileSetting
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.fused import mamba2_layer_one_, mamba2_mixer_step_
 from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
@@ -84,11 +84,19 @@ class Mamba2Model(MambaFamilyModel):
     arch = "mamba2"
     matrices = ("in_proj", "out_proj")
 
-    def __init__(self, config: Mamba2Config, weights: Mamba2Weights, *, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: Mamba2Config,
+        weights: Mamba2Weights,
+        *,
+        dtype: torch.dtype = torch.float32,
+        compile: CompileSetting = None,
+    ):
         super().__init__(
             config,
             weights,
             dtype=dtype,
+            compile=compile,
             conv_channels=config.conv_dim,
             state_shape=(config.n_head, config.head_dim, config.d_state),
         )
