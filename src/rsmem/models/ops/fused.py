@@ -27,6 +27,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from rsmem.models.ops.conv import causal_conv1d_
+from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
+
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` ``[Bs, in]`` and ``weight`` ``[out, in]`` as a fused reduction (meant for
@@ -39,9 +42,7 @@ def conv_step_(
 ) -> torch.Tensor:
     """One token of the causal depthwise conv, then SiLU: ``x`` ``[Bs, C]``; ``window`` ``[Bs, C, K-1]`` is
     shifted in place; returns ``[Bs, C]``."""
-    full = torch.cat([window, x.unsqueeze(-1)], dim=-1)  # [Bs, C, K]
-    window.copy_(full[:, :, 1:])
-    return F.silu((full * weight).sum(-1) + bias)
+    return F.silu(causal_conv1d_(x.unsqueeze(1), window, weight, bias)[:, 0])
 
 
 # ---------------------------------------------------------------------------------------------- Mamba
@@ -90,7 +91,7 @@ def mamba_layer_one_(
 ) -> torch.Tensor:
     """A whole Mamba block for one sequence's token (every product a :func:`gemv`); returns the new ``x``."""
     d_inner = conv_weight.shape[0]
-    xz = gemv(F.rms_norm(x, (x.shape[-1],), norm, eps), in_proj)
+    xz = gemv(rms_norm(x, norm, eps), in_proj)
     xc = conv_step_(xz[:, :d_inner], window, conv_weight, conv_bias)
     dbc = gemv(xc, x_proj)
     y = mamba_ssm_step_(dbc, xc, xz[:, d_inner:], dt_proj, dt_bias, A, D, h, dt_rank, d_state)
@@ -185,9 +186,7 @@ def mamba2_mixer_step_(
     hC = (h * C.unsqueeze(2)).sum(-1)  # [Bs, H, P], from the old state
     y = hC * dA + xdt * (B * C).sum(-1, keepdim=True) + x * D.unsqueeze(-1)
     h.copy_(h * dA.unsqueeze(-1) + xdt.unsqueeze(-1) * B.unsqueeze(2))
-    g = y.reshape(n_seqs, d_inner) * F.silu(z)
-    g = g.reshape(n_seqs, n_group, d_inner // n_group)
-    return F.rms_norm(g, (g.shape[-1],), None, eps).reshape(n_seqs, d_inner) * ssm_norm
+    return gated_group_rms_norm(y.reshape(n_seqs, d_inner), z, ssm_norm, n_group, eps)
 
 
 def mamba2_layer_one_(
@@ -207,14 +206,14 @@ def mamba2_layer_one_(
     eps: float,
 ) -> torch.Tensor:
     """A whole Mamba-2 block for one sequence's token (both products :func:`gemv`); returns the new ``x``."""
-    zxbcdt = gemv(F.rms_norm(x, (x.shape[-1],), norm, eps), in_proj)
+    zxbcdt = gemv(rms_norm(x, norm, eps), in_proj)
     y = mamba2_mixer_step_(zxbcdt, window, conv_weight, conv_bias, dt_bias, A, D, ssm_norm, h, n_group, eps)
     return x + gemv(y, out_proj)
 
 
 def head_one(x: torch.Tensor, norm_f: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
     """Final norm and LM head for one row: ``[1, d_model]`` -> ``[1, n_vocab]`` logits."""
-    return gemv(F.rms_norm(x, (x.shape[-1],), norm_f, eps), lm_head)
+    return gemv(rms_norm(x, norm_f, eps), lm_head)
 
 
 def token_step(
