@@ -33,7 +33,7 @@ def _enabled() -> bool:
 def _arena(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
     """Zero tensors of the given shapes and dtypes, one after another (``ALIGN``-aligned) in one anonymous
     mapping advised ``MADV_HUGEPAGE`` (anonymous memory comes zero-filled); None when it cannot be had."""
-    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
     offsets, total = [], 0
     for nbytes in sizes:
         offsets.append(total)
@@ -70,6 +70,6 @@ def huge_page_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[t
     """CPU zero tensors of ``shapes``: in one huge-page mapping, allocated there directly (no copy, no
     second allocation: a server's state memory can be gigabytes), or plain ``torch.zeros`` when small or
     not available."""
-    nbytes = sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()
+    nbytes = sum(math.prod(s) for s in shapes) * dtype.itemsize
     tensors = _arena([(s, dtype) for s in shapes]) if shapes and _enabled() and nbytes >= MIN_BYTES else None
     return tensors if tensors is not None else [torch.zeros(s, dtype=dtype) for s in shapes]

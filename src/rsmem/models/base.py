@@ -177,8 +177,7 @@ class MambaFamilyModel:
             out = self.mixer(layer, rms_norm(x, layer.norm, eps), window, h)
             states.write_states(il, window, h)  # no copy when they are the memory's rows
             x += out
-        x = output_rows(x, ubatch.output_rows())
-        return self.linear(rms_norm(x, self.norm_f, eps), self.lm_head).float()
+        return self.head(x, ubatch)
 
     def decode_forward(self, tokens: torch.Tensor, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         """:meth:`forward` for one token a sequence (``tokens`` ``[Bs]``) through the compiled steps."""
@@ -196,8 +195,12 @@ class MambaFamilyModel:
             window, h = self.state_views(r, s, x.shape[0])
             x = self.decode_layer(layer, x, window, h)
             states.write_states(il, window, h)
+        return self.head(x, ubatch)
+
+    def head(self, x: torch.Tensor, ubatch: UBatch) -> torch.Tensor:
+        """Logits of the micro-batch's output rows of the residual stream ``x``: final norm, LM head."""
         x = output_rows(x, ubatch.output_rows())
-        return self.linear(rms_norm(x, self.norm_f, eps), self.lm_head).float()
+        return self.linear(rms_norm(x, self.norm_f, self.config.eps), self.lm_head).float()
 
     def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
         """``x @ weight_t`` for a matrix ``[in, out]`` of this model, as float32 (ops.common, ops.packed)."""
