@@ -18,6 +18,7 @@ from rsmem.models.ops.packed import packing_enabled
 from rsmem.models.random_init import random_mamba, random_mamba2
 
 CPU = torch.device("cpu")
+needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
 
 
 def _model(arch: str):
@@ -44,7 +45,7 @@ def _run(model, compile_decode: bool) -> list[torch.Tensor]:
     return out + [t.clone() for t in (*ctx.memory.r_l, *ctx.memory.s_l)]  # the states, each layer's rows
 
 
-@pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
+@needs_cxx
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_compiled_decode_matches_eager(arch: str) -> None:
     model = _model(arch)
@@ -168,7 +169,7 @@ def test_blocked_scan_matches_reference(n_tokens: int) -> None:
     torch.testing.assert_close(h, h_want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
+@needs_cxx
 def test_warm_up_compiles_every_variant_without_touching_state() -> None:
     model = _model("mamba")
     assert model.warm_up() == 0.0  # not compiling: nothing to do
@@ -178,7 +179,7 @@ def test_warm_up_compiles_every_variant_without_touching_state() -> None:
     assert steps and all(s._checked and s.failed is None for s in steps)
 
 
-@pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
+@needs_cxx
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_no_recompiles_after_warm_up(arch: str) -> None:
     """Prompt lengths and batch widths vary in a server: after warm_up nothing may compile again."""
@@ -214,7 +215,7 @@ def test_bf16_single_sequence_stays_eager() -> None:
     assert _model("mamba2")._rows_contiguous == packing_enabled()  # f32 with packing: held [out, in]
 
 
-@pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
+@needs_cxx
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_engine_with_compiled_steps_generates_what_eager_does(arch: str) -> None:
     """Continuous batching (chunked prefills next to decodes of changing width) through compiled steps."""
