@@ -30,3 +30,22 @@ class StateFormatError(RsmemError, ValueError):
 
 class ModelFormatError(RsmemError, ValueError):
     """A model file is malformed, of an unsupported architecture, or misses a tensor."""
+
+
+class InvalidRequestError(RsmemError, ValueError):
+    """A generation request is invalid: a sampling parameter out of its range, a token outside the
+    vocabulary, a slot that does not exist, a prompt above a limit. ``param`` names the field (the
+    Python name, e.g. ``temperature``); the engine refuses such a request before queueing it.
+
+    ``detail`` is the message without the field's name, so a caller can name the field as its user
+    typed it (``--temp`` on the command line, ``temperature`` in JSON): ``exc.named("--temp")``.
+    """
+
+    def __init__(self, param: str | None, detail: str) -> None:
+        self.param = param
+        self.detail = detail
+        super().__init__(f"{param} {detail}" if param else detail)
+
+    def named(self, name: str) -> str:
+        """The message with the field called ``name``."""
+        return f"{name} {self.detail}"
