@@ -132,7 +132,7 @@ def test_sixteen_requests_at_once_equal_each_run_alone():
         assert got == run_alone(prompt, params), rid
         assert all(len(t) == params.max_tokens for t in got)
     assert engine.ctx.memory.used == 0
-    assert sorted(engine.free_seqs) == list(range(6))
+    assert sorted(engine.pool.free) == list(range(6))
 
 
 def test_n_completions_prefill_the_prompt_once_and_differ():
@@ -176,7 +176,7 @@ def test_abort_frees_sequences_running_and_waiting():
     assert {r.request_id for r in reports} == {first, second}
     assert all(c.finish_reason is FinishReason.ABORT for r in reports for c in r.outputs)
     assert not engine.has_unfinished
-    assert sorted(engine.free_seqs) == [0, 1]
+    assert sorted(engine.pool.free) == [0, 1]
 
 
 def test_waiting_requests_take_freed_sequences():
@@ -300,13 +300,13 @@ def test_session_carries_state_between_turns_and_through_a_file(tmp_path):
     assert fresh.stats.prompt_tokens == len(turn3)
 
     engine.close_session(session)
-    assert engine.ctx.memory.used == 0 and sorted(engine.free_seqs) == [0, 1, 2]
+    assert engine.ctx.memory.used == 0 and sorted(engine.pool.free) == [0, 1, 2]
 
 
 def test_session_rules():
     _, engine = make_engine(n_seq_max=2)
     session = engine.open_session()
-    with pytest.raises(ValueError, match="one completion"):
+    with pytest.raises(ValueError, match="n must be 1 for a session"):
         engine.add_request([1], SamplingParams(n=2), session=session)
     engine.add_request([1], SamplingParams(max_tokens=3), session=session)
     with pytest.raises(ValueError, match="busy"):

@@ -1,14 +1,22 @@
 """The generation engine: continuous batching of many requests over one ``Context``.
 
-Each ``step()`` is schedule -> run -> post-process:
+Each ``step()`` is admit -> plan -> run -> commit -> sample:
 
-- **schedule**: waiting requests take free sequences (all ``n`` of them at once, FIFO); every decoding
-  completion contributes its last sampled token; prompts being prefilled contribute chunks from what is
-  left of the per-step token budget (``max_batch_tokens``), so a long prompt never stalls decoding.
-- **run**: one ``Context.decode`` for the whole batch.
-- **post-process**: a prompt whose last chunk ran is forked into its other completions with ``seq_cp``
-  (the prompt is processed once); every row that produced logits is sampled in one vectorised call;
-  completions that hit EOS, a stop string or ``max_tokens`` free their sequence at once.
+- **admit**: waiting requests take free sequences (all ``n`` of them at once, FIFO);
+- **plan**: every decoding completion contributes its last sampled token; prompts being prefilled
+  contribute chunks from what is left of the per-step token budget (``max_batch_tokens``), so a long
+  prompt never stalls decoding. Planning changes nothing;
+- **run**: one ``Context.decode`` for the whole batch;
+- **commit**: only once the decode succeeded do prompts advance and statistics count; a prompt whose
+  last chunk ran is forked into its other completions with ``seq_cp`` (the prompt is processed once);
+- **sample**: every row that produced logits is sampled in one vectorised call; completions that hit
+  EOS, a stop string or ``max_tokens`` free their sequence at once.
+
+Failures stay with the requests they belong to. If the model raises inside the decode, the requests of
+that batch finish with ``FinishReason.ERROR`` (``error_kind`` "model"), their sequences cleared and
+nothing of them cached; the others never noticed. If one request's logits cannot be sampled (its
+penalties overflowed, its state went NaN), that request alone fails (``error_kind`` "request"). The
+engine stays usable after any failure; ``snapshot().health`` says whether failures are recent.
 """
 
 from __future__ import annotations
@@ -23,29 +31,35 @@ import torch
 
 from rsmem.batch.batch import Batch
 from rsmem.context import Context
+from rsmem.engine.kept import KeptSequences
+from rsmem.engine.pool import SequencePool
+from rsmem.engine.reports import report
 from rsmem.engine.request import (
     Completion,
-    CompletionOutput,
+    ErrorKind,
     FinishReason,
     Phase,
     Request,
     RequestOutput,
     Session,
 )
-from rsmem.engine.sampling import Sampler, SamplingParams, TokenLogprobs, make_generator
+from rsmem.engine.sampling import Sampler, SamplingParams, make_generator
+from rsmem.engine.status import EngineSnapshot, EngineStats, Health, SlotInfo
 from rsmem.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
+from rsmem.engine.validation import RequestLimits, check_params, check_placement, check_prompt
+from rsmem.errors import InvalidRequestError
+
+Prompt = str | Sequence[int]
 
 
 @dataclass(slots=True)
-class EngineStats:
-    """Running totals, for reports and the server's metrics."""
+class _Planned:
+    """One request's part of a planned batch: a decode token of ``completion``, or a prompt chunk."""
 
-    steps: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    decode_seconds: float = 0.0
-    requests_finished: int = 0
+    req: Request
+    completion: Completion | None  # None: a chunk of the prompt
+    n_tokens: int
+    output: bool  # this part's last token produces a logits row
 
 
 class Engine:
@@ -58,6 +72,8 @@ class Engine:
         *,
         max_batch_tokens: int | None = None,
         prompt_cache: bool = False,
+        max_prompt_tokens: int | None = None,
+        max_tokens_limit: int | None = None,
     ) -> None:
         self.ctx = context
         self.tokenizer = tokenizer
@@ -68,24 +84,26 @@ class Engine:
             raise ValueError(
                 f"n_seq_max {context.n_seq_max} exceeds the per-step token budget {self.max_batch_tokens}"
             )
+        self.limits = RequestLimits(context.n_vocab, context.n_seq_max, max_prompt_tokens, max_tokens_limit)
         self.sampler = Sampler()
+        self.pool = SequencePool(context.n_seq_max, self._clear_seq, prompt_cache=prompt_cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.free_seqs: list[int] = list(range(context.n_seq_max))[::-1]  # pop() gives the lowest id
         self.stats = EngineStats()
+        self.health = Health()
+        self.kept = KeptSequences(context, self.pool)
         self._ids = itertools.count()
-        self._sessions: dict[int, Session] = {}  # seq id -> session holding it
-        # Prompt cache: a finished request's sequence keeps its state; a new prompt that extends the
-        # cached tokens continues from it instead of processing them again. Oldest entry first.
-        self.prompt_cache = prompt_cache
-        self.cached: dict[int, list[int]] = {}
+
+    @property
+    def prompt_cache(self) -> bool:
+        return self.pool.prompt_cache
 
     # --------------------------------------------------------------- submit
 
     def add_request(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
@@ -94,39 +112,67 @@ class Engine:
     ) -> str:
         """Queue a prompt (text, or token ids); returns its request id.
 
-        With a ``session`` the prompt continues the session's state (only the new tokens are
+        Everything is checked here, before anything is queued (:class:`InvalidRequestError` names the
+        field). With a ``session`` the prompt continues the session's state (only the new tokens are
         processed) and the state is kept when the request ends; ``n`` must then be 1.
         """
-        params = params or SamplingParams()
-        if session is not None:
-            if params.n != 1:
-                raise ValueError(f"a session request generates one completion, not n = {params.n}")
-            if session.closed or session.busy:
-                raise ValueError(
-                    f"session on sequence {session.seq_id} is {'closed' if session.closed else 'busy'}"
-                )
-        if slot is not None and not 0 <= slot < self.ctx.n_seq_max:
-            raise ValueError(f"slot {slot} does not exist: slots are 0 to {self.ctx.n_seq_max - 1}")
-        if slot is not None and slot in self._sessions:
-            raise ValueError(f"slot {slot} is held by a session")
-        if params.n > self.ctx.n_seq_max:
-            raise ValueError(
-                f"n = {params.n} completions need more sequences than n_seq_max = {self.ctx.n_seq_max}"
-            )
+        req = self._build(prompt, params or SamplingParams(), request_id, session, slot, set())
+        self._queue(req)
+        return req.request_id
+
+    def add_requests(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
+        slot: int | None = None,
+    ) -> list[str]:
+        """Queue several prompts together (they are batched together): all are checked first, and
+        either all are queued or none."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError("params", f"has {len(params)} entries for {len(prompts)} prompts")
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise InvalidRequestError("request_id", f"has {len(request_ids)} ids for {len(prompts)} prompts")
+        taken: set[str] = set()
+        reqs = []
+        for k, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            rid = request_ids[k] if request_ids is not None else None
+            try:
+                reqs.append(self._build(prompt, sp, rid, None, slot, taken))
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(exc.param, f"(prompt {k}) {exc.detail}") from exc
+            taken.add(reqs[-1].request_id)
+        for req in reqs:
+            self._queue(req)
+        return [r.request_id for r in reqs]
+
+    def _build(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None,
+        session: Session | None,
+        slot: int | None,
+        taken: set[str],
+    ) -> Request:
+        """A checked request, not yet queued (nothing changes here)."""
+        check_params(params, self.limits)
+        held = {s for s in range(self.ctx.n_seq_max) if self.pool.session_of(s) is not None}
+        check_placement(params, self.limits, session=session, slot=slot, held=held)
         prompt_text = prompt if isinstance(prompt, str) else None
-        tokens = self._encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        tokens = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
         if session is not None:
             tokens = session.pending + tokens
-        if not tokens:
-            raise ValueError("the prompt is empty (and the model has no BOS token to start from)")
-        for i, t in enumerate(tokens):
-            if not 0 <= t < self.ctx.n_vocab:
-                raise ValueError(
-                    f"prompt token {i}: id {t} is outside the vocabulary [0, {self.ctx.n_vocab})"
-                )
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        check_prompt(tokens, self.limits)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self.requests or request_id in taken:
+                request_id = f"req-{next(self._ids)}"
+        elif request_id in self.requests or request_id in taken:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         completions = [
             Completion(
                 index=i,
@@ -135,17 +181,18 @@ class Engine:
             )
             for i in range(params.n)
         ]
-        req = Request(request_id, tokens, params, completions, prompt_text, session=session, slot=slot)
-        if session is not None:
-            session.busy = True
-            session.pending = []
-        self.requests[request_id] = req
+        return Request(request_id, tokens, params, completions, prompt_text, session=session, slot=slot)
+
+    def _queue(self, req: Request) -> None:
+        if req.session is not None:
+            req.session.busy = True
+            req.session.pending = []
+        self.requests[req.request_id] = req
         self.waiting.append(req)
-        return request_id
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass token ids instead of text")
+            raise InvalidRequestError("prompt", "is text, but this model has no tokenizer: pass token ids")
         tokens = self.tokenizer.encode(text)
         if self.tokenizer.bos_token_id is not None and not tokens:
             tokens = [self.tokenizer.bos_token_id]
@@ -166,27 +213,47 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def request_progress(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens processed, prompt length) of a live request; None if unknown or finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        return req.n_prefilled, len(req.prompt_tokens)
+
     # ----------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns a report for every request that made progress or finished."""
+        """Run one batch; returns a report for every request that made progress or finished.
+
+        A failure belongs to the requests it came from (see the module docstring); ``step`` raises only
+        for ``KeyboardInterrupt`` and the like, after failing the interrupted batch's requests.
+        """
         self._admit()
-        batch, rows = self._schedule()
+        plan = self._plan()
         touched: dict[str, Request] = {}
-        if batch is not None:
+        if plan:
+            batch = self._batch(plan)
             t0 = time.perf_counter()
-            self.ctx.decode(batch)
-            self.stats.decode_seconds += time.perf_counter() - t0
-            self.stats.steps += 1
-            self._sample(rows, touched)
-        finished_now = [r for r in self.requests.values() if r.finished]
-        for req in finished_now:
+            try:
+                self.ctx.decode(batch)  # on failure it has cleared the batch's sequences
+            except BaseException as exc:
+                self._fail_batch(plan, exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                self.stats.decode_seconds += time.perf_counter() - t0
+                self.stats.steps += 1
+                self.health.step_succeeded()
+                self._commit(plan)
+                self._sample(plan, touched)
+        for req in [r for r in self.requests.values() if r.finished]:
             touched[req.request_id] = req
             del self.requests[req.request_id]
-        return [self._report(r) for r in touched.values()]
+        return [report(r) for r in touched.values()]
 
     def _admit(self) -> None:
         """Give waiting requests their sequences, in arrival order (a blocked head blocks the rest)."""
+        pool = self.pool
         while self.waiting:
             req = self.waiting[0]
             if req.finished:  # aborted while waiting
@@ -195,106 +262,116 @@ class Engine:
             if req.session is not None:
                 first = req.session.seq_id
             elif req.slot is not None:
-                if req.slot not in self.free_seqs or len(self.free_seqs) < req.params.n:
+                if not pool.is_free(req.slot) or pool.n_free < req.params.n:
                     break
                 first = req.slot
-            elif len(self.free_seqs) >= req.params.n:
-                first = self._best_free_seq(req.prompt_tokens)
+            elif pool.n_free >= req.params.n:
+                first = pool.best_free(req.prompt_tokens)
             else:
                 break
             self.waiting.popleft()
             if req.session is None:
-                self._take_seq(first, reuse_for=req)
+                req.n_cached = req.n_prefilled = pool.take(first, req.prompt_tokens)
+                self.stats.cached_prompt_tokens += req.n_cached
             req.completions[0].seq_id = first
             for c in req.completions[1:]:
-                c.seq_id = self._best_free_seq([])
-                self._take_seq(c.seq_id, reuse_for=None)
+                c.seq_id = pool.best_free([])
+                pool.take(c.seq_id, [])
             req.phase = Phase.PREFILL
             self.running.append(req)
 
-    def _best_free_seq(self, prompt: list[int]) -> int:
-        """The free sequence whose cached state covers most of ``prompt``; else one holding no cache;
-        else the one cached longest ago."""
-        best, best_len = -1, 0
-        for seq, tokens in self.cached.items():
-            if (
-                seq in self.free_seqs
-                and best_len < len(tokens) < len(prompt)
-                and prompt[: len(tokens)] == tokens
-            ):
-                best, best_len = seq, len(tokens)
-        if best >= 0:
-            return best
-        uncached = [s for s in self.free_seqs if s not in self.cached]
-        if uncached:
-            return min(uncached)
-        return next(s for s in self.cached if s in self.free_seqs)
-
-    def _take_seq(self, seq: int, reuse_for: Request | None) -> None:
-        """Take a free sequence; keep its cached state only if it is a proper prefix of the prompt."""
-        self.free_seqs.remove(seq)
-        tokens = self.cached.pop(seq, None)
-        if tokens is None:
-            return
-        prompt = reuse_for.prompt_tokens if reuse_for is not None else []
-        if len(tokens) < len(prompt) and prompt[: len(tokens)] == tokens and reuse_for is not None:
-            reuse_for.n_prefilled = len(tokens)
-            self.stats.cached_prompt_tokens += len(tokens)
-            return
-        self.ctx.memory.seq_rm(seq, -1, -1)
-
-    def _schedule(self) -> tuple[Batch | None, list[tuple[Request, Completion | None]]]:
-        """The next batch and, per output row in batch order, whose logits they are.
-
-        A row's completion is None for a prompt's last chunk: all ``n`` completions sample from it.
-        """
-        tokens: list[int] = []
-        seq_ids: list[list[int]] = []
-        logits: list[bool] = []
-        rows: list[tuple[Request, Completion | None]] = []
-        for req in self.running:
-            if req.phase is Phase.DECODE:
-                for c in req.completions:
-                    if not c.finished:
-                        tokens.append(c.tokens[-1])
-                        seq_ids.append([c.seq_id])
-                        logits.append(True)
-                        rows.append((req, c))
-        budget = self.max_batch_tokens - len(tokens)
+    def _plan(self) -> list[_Planned]:
+        """What the next batch holds, in batch order: decode tokens first, then prompt chunks from what
+        is left of the budget. Changes nothing."""
+        plan = [
+            _Planned(req, c, 1, True)
+            for req in self.running
+            if req.phase is Phase.DECODE
+            for c in req.completions
+            if not c.finished
+        ]
+        budget = self.max_batch_tokens - len(plan)
         for req in self.running:
             if req.phase is not Phase.PREFILL or budget <= 0:
                 continue
-            chunk = req.prompt_tokens[req.n_prefilled : req.n_prefilled + budget]
-            budget -= len(chunk)
-            req.n_prefilled += len(chunk)
-            done = req.n_prefilled == len(req.prompt_tokens)
-            tokens.extend(chunk)
-            seq_ids.extend([req.prefill_seq] for _ in chunk)
-            logits.extend([False] * (len(chunk) - 1) + [done])
-            self.stats.prompt_tokens += len(chunk)
-            if done:
-                rows.append((req, None))
-        if not tokens:
-            return None, []
-        return Batch(tokens, seq_ids=seq_ids, logits=logits), rows
+            n = min(budget, len(req.prompt_tokens) - req.n_prefilled)
+            budget -= n
+            plan.append(_Planned(req, None, n, req.n_prefilled + n == len(req.prompt_tokens)))
+        return plan
 
-    def _sample(self, rows: list[tuple[Request, Completion | None]], touched: dict[str, Request]) -> None:
-        logit_rows: list[int] = []
-        targets: list[tuple[Request, Completion]] = []
-        for k, (req, comp) in enumerate(rows):
-            if comp is None:  # the prompt is in: fork it into the other completions' sequences
+    @staticmethod
+    def _batch(plan: list[_Planned]) -> Batch:
+        tokens: list[int] = []
+        seq_ids: list[list[int]] = []
+        logits: list[bool] = []
+        for part in plan:
+            if part.completion is not None:
+                tokens.append(part.completion.tokens[-1])
+                seq_ids.append([part.completion.seq_id])
+            else:
+                start = part.req.n_prefilled
+                tokens.extend(part.req.prompt_tokens[start : start + part.n_tokens])
+                seq_ids.extend([part.req.prefill_seq] for _ in range(part.n_tokens))
+            logits.extend([False] * (part.n_tokens - 1) + [part.output])
+        return Batch(tokens, seq_ids=seq_ids, logits=logits)
+
+    def _commit(self, plan: list[_Planned]) -> None:
+        """The decode succeeded: prompts advance, finished prompts fork into their other completions."""
+        for part in plan:
+            if part.completion is not None:
+                continue
+            req = part.req
+            req.n_prefilled += part.n_tokens
+            self.stats.prompt_tokens += part.n_tokens
+            if part.output:  # the prompt is in
                 for c in req.completions[1:]:
                     self.ctx.memory.seq_cp(req.prefill_seq, c.seq_id)
                 req.phase = Phase.DECODE
-                for c in req.completions:
-                    logit_rows.append(k)
-                    targets.append((req, c))
-            else:
-                logit_rows.append(k)
-                targets.append((req, comp))
+
+    def _sample(self, plan: list[_Planned], touched: dict[str, Request]) -> None:
+        """Sample every output row (one vectorised call); a request whose rows fail fails alone."""
+        rows: list[int] = []
+        targets: list[tuple[Request, Completion]] = []
+        for k, part in enumerate(p for p in plan if p.output):
+            for c in [part.completion] if part.completion is not None else part.req.completions:
+                rows.append(k)
+                targets.append((part.req, c))
         if not targets:
             return
-        logits = self.ctx.logits[torch.tensor(logit_rows, dtype=torch.long)]
+        logits = self.ctx.logits[torch.tensor(rows, dtype=torch.long)]
+        by_request: dict[str, list[int]] = {}
+        for i, (req, _) in enumerate(targets):
+            by_request.setdefault(req.request_id, []).append(i)
+        try:
+            tokens, logprobs = self._sample_rows(logits, targets)
+        except Exception:  # some row is bad: sample each request on its own to find it
+            tokens, logprobs = [None] * len(targets), [None] * len(targets)
+            for idx in by_request.values():
+                try:
+                    sub_tokens, sub_lp = self._sample_rows(logits[idx], [targets[i] for i in idx])
+                except Exception as exc:
+                    bad_state = not bool(torch.isfinite(logits[idx]).all())
+                    self._fail(targets[idx[0]][0], ErrorKind.REQUEST, _sampling_error(exc, bad_state))
+                    continue
+                for j, i in enumerate(idx):
+                    tokens[i], logprobs[i] = sub_tokens[j], sub_lp[j]
+        for idx in by_request.values():
+            req = targets[idx[0]][0]
+            touched[req.request_id] = req
+            if req.finished:
+                continue
+            try:
+                for i in idx:
+                    token = tokens[i]
+                    assert token is not None
+                    self._append(req, targets[i][1], token, logprobs[i])
+            except Exception as exc:
+                self._fail(req, ErrorKind.REQUEST, f"post-processing failed: {exc}")
+                continue
+            if all(c.finished for c in req.completions):
+                self._release(req)
+
+    def _sample_rows(self, logits: torch.Tensor, targets: list[tuple[Request, Completion]]):
         params = [req.params for req, _ in targets]
         histories = (
             [req.prompt_tokens + c.tokens for req, c in targets]
@@ -302,14 +379,9 @@ class Engine:
             else None
         )
         out = self.sampler.sample(logits, params, histories, [c.generator for _, c in targets])
-        for i, (req, c) in enumerate(targets):
-            self._append(req, c, out.tokens[i], out.logprobs[i])
-            touched[req.request_id] = req
-        for req in {id(r): r for r, _ in targets}.values():
-            if all(c.finished for c in req.completions):
-                self._release(req)
+        return out.tokens, out.logprobs
 
-    def _append(self, req: Request, c: Completion, token: int, logprob: TokenLogprobs | None) -> None:
+    def _append(self, req: Request, c: Completion, token: int, logprob) -> None:
         self.stats.generated_tokens += 1
         c.tokens.append(token)
         if logprob is not None:
@@ -324,7 +396,7 @@ class Engine:
             if req.params.stop and self._cut_at_stop(c, req.params.stop, len(delta)):
                 self._finish(req, c, FinishReason.STOP, flush=False)
                 return
-        if len(c.tokens) >= req.params.max_tokens:
+        if req.params.max_tokens is not None and len(c.tokens) >= req.params.max_tokens:
             self._finish(req, c, FinishReason.LENGTH)
 
     @staticmethod
@@ -347,151 +419,73 @@ class Engine:
         c.finish_reason = reason
         self._free_completion(c, req)
 
-    def _free_completion(self, c: Completion, req: Request) -> None:
-        """Return a finished completion's sequence; with the prompt cache, its state stays for reuse."""
-        if c.seq_id < 0 or self._is_session_seq(c.seq_id):
+    # ------------------------------------------------------------ failures
+
+    def _fail_batch(self, plan: list[_Planned], exc: BaseException) -> None:
+        """The decode raised: every request of the batch fails; their sequences are already cleared."""
+        interrupted = not isinstance(exc, Exception)
+        message = "interrupted" if interrupted else f"the model failed: {type(exc).__name__}: {exc}"
+        if not interrupted:
+            self.stats.failed_steps += 1
+            self.health.step_failed(message)
+        for req in {id(p.req): p.req for p in plan}.values():
+            self._fail(req, ErrorKind.MODEL, message, reason=FinishReason.ABORT if interrupted else None)
+
+    def _fail(
+        self,
+        req: Request,
+        kind: ErrorKind,
+        message: str,
+        *,
+        state_lost: bool = True,
+        reason: FinishReason | None = None,
+    ) -> None:
+        """Finish ``req`` with an error: its sequences are cleared and nothing of it is cached; a session
+        it ran in is emptied (its state was lost or cannot be trusted)."""
+        if req.finished:
             return
-        if c.index == 0 or req.phase is Phase.DECODE:
+        req.error_kind = kind
+        for c in req.completions:
+            if not c.finished:
+                c.finish_reason = reason or FinishReason.ERROR
+                c.error = message
+        if req.session is not None and state_lost:
+            self._clear_seq(req.session.seq_id)
+            req.session.tokens, req.session.pending, req.session.busy = [], [], False
+            req.session = None  # the session's sequence is not the request's to free
+            req.completions[0].seq_id = -1
+        self.stats.requests_failed += 1
+        self._release(req, cache=False)
+
+    # ------------------------------------------------------------ freeing
+
+    def _free_completion(self, c: Completion, req: Request, *, cache: bool = True) -> None:
+        """Return a finished completion's sequence; with the prompt cache, its state stays for reuse."""
+        if c.seq_id < 0 or self.pool.session_of(c.seq_id) is not None:
+            return
+        folded: list[int] | None = None
+        if cache and (c.index == 0 or req.phase is Phase.DECODE):
             folded = req.prompt_tokens[: req.n_prefilled] + c.tokens[:-1]
-        else:
-            folded = []  # a fork whose prompt never finished: nothing in its sequence
-        if self.prompt_cache and folded:
-            self.cached[c.seq_id] = folded
-        else:
-            self.ctx.memory.seq_rm(c.seq_id, -1, -1)
-        self.free_seqs.append(c.seq_id)
+        # else: a failure, or a fork whose prompt never finished (nothing in its sequence)
+        self.pool.release(c.seq_id, folded)
         c.seq_id = -1
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, *, cache: bool = True) -> None:
         """Finish a request: free every sequence it still holds (a session keeps its own)."""
         if req.session is not None:
             self._end_session_request(req)
         for c in req.completions:
             if c.finish_reason is None:
                 c.finish_reason = FinishReason.ABORT
-            self._free_completion(c, req)
+            self._free_completion(c, req, cache=cache)
         if req in self.running:
             self.running.remove(req)
         if req.phase is not Phase.FINISHED:
             req.phase = Phase.FINISHED
             self.stats.requests_finished += 1
 
-    def _report(self, req: Request) -> RequestOutput:
-        outs = []
-        for c in req.completions:
-            end = len(c.text) if c.finished else len(c.text) - _stop_prefix_len(c.text, req.params.stop)
-            delta_text = c.text[c.reported_chars : end]
-            delta_tokens = tuple(c.tokens[c.reported_tokens :])
-            c.reported_chars = max(c.reported_chars, end)
-            c.reported_tokens = len(c.tokens)
-            outs.append(
-                CompletionOutput(
-                    index=c.index,
-                    text=c.text if c.finished else c.text[:end],
-                    token_ids=tuple(c.tokens),
-                    finish_reason=c.finish_reason,
-                    logprobs=tuple(c.logprobs) if req.params.logprobs is not None else None,
-                    delta_text=delta_text,
-                    delta_token_ids=delta_tokens,
-                )
-            )
-        return RequestOutput(
-            req.request_id, tuple(req.prompt_tokens), tuple(outs), req.finished, req.prompt_text
-        )
-
-    # ------------------------------------------------------------ sessions
-
-    def open_session(self, path: str | None = None) -> Session:
-        """Reserve a sequence for a conversation; with ``path``, restore a saved sequence file into it."""
-        if not self.free_seqs:
-            raise RuntimeError("no free sequence for a session: every sequence is in use")
-        seq = self._best_free_seq([])
-        self._take_seq(seq, reuse_for=None)
-        session = Session(seq)
-        if path is not None:
-            try:
-                session.tokens = self.ctx.state_seq_load_file(path, seq)
-            except BaseException:
-                self.free_seqs.append(seq)
-                raise
-        self._sessions[seq] = session
-        return session
-
-    def save_session(self, session: Session, path: str) -> int:
-        """Write the session's state and tokens to a llama.cpp sequence file; returns bytes written.
-
-        A pending token (sampled, not yet in the state) is decoded first so the file is complete.
-        """
-        if session.busy:
-            raise RuntimeError("the session has a request running; save it when the request is done")
-        if session.pending:
-            self.ctx.decode(Batch(session.pending, seq_ids=[[session.seq_id]] * len(session.pending)))
-            session.tokens += session.pending
-            session.pending = []
-        return self.ctx.state_seq_save_file(path, session.seq_id, session.tokens)
-
-    def close_session(self, session: Session) -> None:
-        """Forget the conversation and return its sequence."""
-        if session.busy:
-            raise RuntimeError("the session has a request running")
-        if not session.closed:
-            self.ctx.memory.seq_rm(session.seq_id, -1, -1)
-            self.free_seqs.append(session.seq_id)
-            del self._sessions[session.seq_id]
-            session.closed = True
-
-    # ---------------------------------------------------------------- slots
-
-    def _idle_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.ctx.n_seq_max:
-            raise ValueError(f"slot {slot} does not exist: slots are 0 to {self.ctx.n_seq_max - 1}")
-        if slot not in self.free_seqs:
-            raise RuntimeError(f"slot {slot} is busy")
-
-    def slot_save(self, slot: int, path: str) -> tuple[int, int]:
-        """Save an idle slot's cached state and tokens to a sequence file; returns (tokens, bytes)."""
-        self._idle_slot(slot)
-        tokens = self.cached.get(slot, [])
-        return len(tokens), self.ctx.state_seq_save_file(path, slot, tokens)
-
-    def slot_restore(self, slot: int, path: str) -> int:
-        """Load a sequence file into an idle slot; a prompt extending its tokens continues from it."""
-        self._idle_slot(slot)
-        tokens = self.ctx.state_seq_load_file(path, slot)
-        self.cached.pop(slot, None)
-        if tokens or self.ctx.memory.seq_pos_max(slot) >= 0:
-            self.cached[slot] = tokens
-        return len(tokens)
-
-    def slot_erase(self, slot: int) -> int:
-        """Drop an idle slot's cached state; returns the number of tokens it held."""
-        self._idle_slot(slot)
-        self.ctx.memory.seq_rm(slot, -1, -1)
-        return len(self.cached.pop(slot, []))
-
-    def slots(self) -> list[dict[str, object]]:
-        """Per slot: whether it is busy and how many tokens of state it caches."""
-        running = {c.seq_id: r.request_id for r in self.running for c in r.completions if c.seq_id >= 0}
-        return [
-            {
-                "id": s,
-                "busy": s in running or s in self._sessions,
-                "request_id": running.get(s),
-                "n_cached_tokens": len(self.cached.get(s, [])),
-            }
-            for s in range(self.ctx.n_seq_max)
-        ]
-
-    def active_cells(self) -> int:
-        """Cells held by running requests and sessions (the rest of ``memory.used`` is cache)."""
-        return sum(
-            1
-            for s in range(self.ctx.n_seq_max)
-            if s not in self.free_seqs and self.ctx.memory.seq_pos_max(s) >= 0
-        )
-
-    def _is_session_seq(self, seq: int) -> bool:
-        return seq in self._sessions
+    def _clear_seq(self, seq: int) -> None:
+        self.ctx.memory.seq_rm(seq, -1, -1)
 
     def _end_session_request(self, req: Request) -> None:
         """Record what the finished request folded into the session's state."""
@@ -506,7 +500,82 @@ class Engine:
             session.pending = req.prompt_tokens[req.n_prefilled :]
         session.busy = False
 
-    # ------------------------------------------------------------ helpers
+    # ---------------------------------------------------- sessions and slots
+
+    def open_session(self, path: str | None = None) -> Session:
+        """Reserve a sequence for a conversation; with ``path``, restore a saved sequence file into it."""
+        return self.kept.open_session(path)
+
+    def save_session(self, session: Session, path: str) -> int:
+        """Write the session's state and tokens to a llama.cpp sequence file; returns bytes written."""
+        return self.kept.save_session(session, path)
+
+    def close_session(self, session: Session) -> None:
+        """Forget the conversation and return its sequence."""
+        self.kept.close_session(session)
+
+    def slot_save(self, slot: int, path: str) -> tuple[int, int]:
+        """Save an idle slot's cached state and tokens to a sequence file; returns (tokens, bytes)."""
+        return self.kept.slot_save(slot, path)
+
+    def slot_restore(self, slot: int, path: str) -> int:
+        """Load a sequence file into an idle slot; returns the number of tokens it holds."""
+        return self.kept.slot_restore(slot, path)
+
+    def slot_erase(self, slot: int) -> int:
+        """Drop an idle slot's cached state; returns the number of tokens it held."""
+        return self.kept.slot_erase(slot)
+
+    def slots(self) -> list[dict[str, object]]:
+        """Per slot: whether it is busy and how many tokens of state it caches."""
+        return [
+            {"id": s.id, "busy": s.busy, "request_id": s.request_id, "n_cached_tokens": s.n_cached_tokens}
+            for s in self.snapshot().slots
+        ]
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state in one read (for servers: call it on the thread that drives the engine)."""
+        running = {c.seq_id: r.request_id for r in self.running for c in r.completions if c.seq_id >= 0}
+        pool, memory = self.pool, self.ctx.memory
+        slots = tuple(
+            SlotInfo(
+                s,
+                s in running or pool.session_of(s) is not None,
+                running.get(s),
+                len(pool.cached_tokens(s)),
+            )
+            for s in range(self.ctx.n_seq_max)
+        )
+        health, reason = self.health.status()
+        s = self.stats
+        return EngineSnapshot(
+            n_slots=self.ctx.n_seq_max,
+            waiting=sum(1 for r in self.waiting if not r.finished),
+            waiting_seqs=sum(r.params.n for r in self.waiting if not r.finished),
+            running=len(self.running),
+            free_slots=pool.n_free,
+            slots=slots,
+            prompt_tokens=s.prompt_tokens,
+            cached_prompt_tokens=s.cached_prompt_tokens,
+            generated_tokens=s.generated_tokens,
+            decode_seconds=s.decode_seconds,
+            steps=s.steps,
+            requests_finished=s.requests_finished,
+            requests_failed=s.requests_failed,
+            cells_active=self.active_cells(),
+            cells_used=memory.used,
+            cells_total=memory.size,
+            health=health,
+            health_reason=reason,
+        )
+
+    def active_cells(self) -> int:
+        """Cells held by running requests and sessions (the rest of ``memory.used`` is cache)."""
+        return sum(
+            1
+            for s in range(self.ctx.n_seq_max)
+            if not self.pool.is_free(s) and self.ctx.memory.seq_pos_max(s) >= 0
+        )
 
     def run_until_done(self) -> Iterator[RequestOutput]:
         """Step until nothing is left, yielding every report."""
@@ -514,12 +583,7 @@ class Engine:
             yield from self.step()
 
 
-def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
+def _sampling_error(exc: Exception, bad_state: bool) -> str:
+    if bad_state:
+        return "the model produced non-finite logits for this request (its state is not finite)"
+    return f"its sampling parameters made the logits unusable: {exc}"

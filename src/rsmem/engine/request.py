@@ -15,6 +15,12 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # end-of-sequence token or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled
+    ERROR = "error"  # failed: see the output's ``error`` and ``error_kind``
+
+
+class ErrorKind(str, enum.Enum):
+    REQUEST = "request"  # the request's own logits/state went bad (e.g. its penalties overflowed)
+    MODEL = "model"  # the model raised inside a decode step holding the request
 
 
 class Phase(enum.Enum):
@@ -36,6 +42,7 @@ class Completion:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why it failed (finish_reason ERROR)
     reported_chars: int = 0  # text already sent in reports
     reported_tokens: int = 0
 
@@ -70,6 +77,8 @@ class Request:
     n_prefilled: int = 0
     session: Session | None = None
     slot: int | None = None  # a sequence id the request must run in (its first completion)
+    n_cached: int = 0  # prompt tokens a cached state covered (never processed)
+    error_kind: ErrorKind | None = None
 
     @property
     def finished(self) -> bool:
@@ -89,6 +98,7 @@ class CompletionOutput:
     logprobs: tuple[TokenLogprobs, ...] | None
     delta_text: str = ""  # new since the previous report of this request
     delta_token_ids: tuple[int, ...] = ()
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +108,9 @@ class RequestOutput:
     outputs: tuple[CompletionOutput, ...]
     finished: bool
     prompt: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prompt cache
+    error: str | None = None  # the first completion error, if the request failed
+    error_kind: ErrorKind | None = None
 
     @property
     def text(self) -> str:

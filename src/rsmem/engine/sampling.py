@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rsmem.errors import InvalidRequestError
+
 # torch.Generator.manual_seed accepts exactly this range (negative seeds are folded onto positive ones).
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -54,8 +56,8 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 # --------------------------------------------------------------------------------------------------
 
 
-def _fail(name: str, value: object, rule: str) -> ValueError:
-    return ValueError(f"SamplingParams.{name} must be {rule}, got {value!r}")
+def _fail(name: str, value: object, rule: str) -> InvalidRequestError:
+    return InvalidRequestError(name, f"must be {rule}, got {value!r}")
 
 
 def _as_int(name: str, value: object) -> int:
@@ -115,6 +117,23 @@ def _normalise_stop(value: object) -> tuple[str, ...]:
     return stops
 
 
+MAX_LOGPROBS = 20
+_INT_MAX = 2**31 - 1
+_FLOAT_RANGES: dict[str, tuple[float, float, str]] = {
+    "temperature": (0.0, 1e4, "in [0, 1e4] (0 means greedy)"),
+    "top_p": (0.0, 1.0, "in (0, 1]"),
+    "min_p": (0.0, 1.0, "in [0, 1]"),
+    "repetition_penalty": (1e-3, 1e3, "in [1e-3, 1e3] (1 means off)"),
+    "presence_penalty": (-1e3, 1e3, "in [-1e3, 1e3]"),
+    "frequency_penalty": (-1e3, 1e3, "in [-1e3, 1e3]"),
+}
+_INT_RANGES: dict[str, tuple[int, int, str]] = {
+    "top_k": (0, _INT_MAX, ">= 0 (0 means off)"),
+    "penalty_last_n": (-1, _INT_MAX, ">= -1 (-1 means the whole history)"),
+    "n": (1, _INT_MAX, ">= 1"),
+}
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How one request picks its tokens; validated on construction, immutable and hashable.
@@ -127,6 +146,28 @@ class SamplingParams:
     accepted); ``-inf`` bans a token. ``logprobs`` is the number of top alternatives to report (0: only
     the chosen token's log-prob, None: nothing). ``max_tokens``, ``stop``, ``n`` and ``ignore_eos`` are
     for the engine's stopping and forking logic; the sampler itself does not read them.
+
+    Ranges, checked here (an :class:`~rsmem.errors.InvalidRequestError` naming the field otherwise). The
+    bounds keep every stage finite in float32 for finite logits, so no valid request can overflow:
+
+    ====================== ================= ==============================================
+    field                  range             off / meaning
+    ====================== ================= ==============================================
+    temperature            [0, 1e4]          0: greedy
+    top_k                  [0, 2**31-1]      0: off
+    top_p                  (0, 1]            1: off
+    min_p                  [0, 1]            0: off
+    repetition_penalty     [1e-3, 1e3]       1: off
+    presence_penalty       [-1e3, 1e3]       0: off
+    frequency_penalty      [-1e3, 1e3]       0: off
+    penalty_last_n         [-1, 2**31-1]     -1: the whole history, 0: no penalties
+    logit_bias             token ids >= 0    values finite or -inf (bans the token)
+    seed                   [-2**63, 2**64-1] None: drawn from os.urandom
+    logprobs               [0, 20]           None: no log-probs
+    max_tokens             >= 1              None: no limit (EOS, a stop string or abort)
+    n                      [1, 2**31-1]      completions (the engine also bounds it by its sequences)
+    stop                   non-empty strings
+    ====================== ================= ==============================================
     """
 
     temperature: float = 1.0
@@ -140,41 +181,21 @@ class SamplingParams:
     logit_bias: LogitBias | Mapping[int, float] | None = None
     seed: int | None = None
     logprobs: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     stop: tuple[str, ...] = ()
     n: int = 1
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised values are stored through object.__setattr__
-        floats = (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-        )
-        for name in floats:
-            set_(self, name, _as_float(name, getattr(self, name)))
-        for name in ("top_k", "penalty_last_n", "max_tokens", "n"):
-            _as_int(name, getattr(self, name))
-        if self.temperature < 0:
-            raise _fail("temperature", self.temperature, ">= 0 (0 means greedy)")
-        if self.top_k < 0:
-            raise _fail("top_k", self.top_k, ">= 0 (0 means off)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise _fail("top_p", self.top_p, "in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise _fail("min_p", self.min_p, "in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise _fail("repetition_penalty", self.repetition_penalty, "> 0 (1 means off)")
-        if self.penalty_last_n < -1:
-            raise _fail("penalty_last_n", self.penalty_last_n, ">= -1 (-1 means the whole history)")
-        if self.max_tokens < 1:
-            raise _fail("max_tokens", self.max_tokens, ">= 1")
-        if self.n < 1:
-            raise _fail("n", self.n, ">= 1")
+        for name, (low, high, rule) in _FLOAT_RANGES.items():
+            value = _as_float(name, getattr(self, name))
+            if not (low <= value <= high) or (name == "top_p" and value == 0.0):
+                raise _fail(name, value, rule)
+            set_(self, name, value)
+        for name, (low, high, rule) in _INT_RANGES.items():
+            if not low <= _as_int(name, getattr(self, name)) <= high:
+                raise _fail(name, getattr(self, name), rule)
         self._validate_optional_ints()
         if not isinstance(self.ignore_eos, bool):
             raise _fail("ignore_eos", self.ignore_eos, "a bool")
@@ -184,8 +205,10 @@ class SamplingParams:
     def _validate_optional_ints(self) -> None:
         if self.seed is not None and not _SEED_MIN <= _as_int("seed", self.seed) <= _SEED_MAX:
             raise _fail("seed", self.seed, f"in [{_SEED_MIN}, {_SEED_MAX}]")
-        if self.logprobs is not None and _as_int("logprobs", self.logprobs) < 0:
-            raise _fail("logprobs", self.logprobs, ">= 0 or None")
+        if self.logprobs is not None and not 0 <= _as_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
+            raise _fail("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}] or None")
+        if self.max_tokens is not None and _as_int("max_tokens", self.max_tokens) < 1:
+            raise _fail("max_tokens", self.max_tokens, ">= 1 or None (no limit)")
 
     @classmethod
     def greedy(cls, **overrides: object) -> SamplingParams:

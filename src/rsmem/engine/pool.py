@@ -1,0 +1,102 @@
+"""The engine's sequences: which are free, which keep a finished prompt's state, which a session holds.
+
+A sequence is in exactly one of three places: running a request (neither free nor held), free (maybe
+with a cached state and the tokens it folds, oldest cache first), or held by a session. The pool only
+does bookkeeping; it changes the memory through one callback, ``clear(seq)``, which empties a
+sequence's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rsmem.engine.request import Session
+
+
+class SequencePool:
+    def __init__(self, n_seq: int, clear: Callable[[int], None], *, prompt_cache: bool) -> None:
+        self.n_seq = n_seq
+        self.prompt_cache = prompt_cache
+        self._clear = clear
+        self._free: list[int] = list(range(n_seq))
+        self._cached: dict[int, list[int]] = {}  # free seq -> tokens its state folds (insertion = age)
+        self._sessions: dict[int, Session] = {}
+
+    # ------------------------------------------------------------- queries
+
+    @property
+    def free(self) -> tuple[int, ...]:
+        return tuple(self._free)
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def is_free(self, seq: int) -> bool:
+        return seq in self._free
+
+    def session_of(self, seq: int) -> Session | None:
+        return self._sessions.get(seq)
+
+    def cached_tokens(self, seq: int) -> list[int]:
+        """Tokens a free sequence's cached state folds ([] when it caches nothing)."""
+        return self._cached.get(seq, [])
+
+    def best_free(self, prompt: list[int]) -> int:
+        """The free sequence whose cached state covers most of ``prompt`` (a proper prefix); else one
+        holding no cache; else the one cached longest ago. The pool must have a free sequence."""
+        best, best_len = -1, 0
+        for seq, tokens in self._cached.items():
+            if best_len < len(tokens) < len(prompt) and prompt[: len(tokens)] == tokens:
+                best, best_len = seq, len(tokens)
+        if best >= 0:
+            return best
+        uncached = [s for s in self._free if s not in self._cached]
+        return min(uncached) if uncached else next(iter(self._cached))
+
+    def reusable(self, seq: int, prompt: list[int]) -> int:
+        """How many of ``prompt``'s tokens ``seq``'s cached state covers (0 unless a proper prefix)."""
+        tokens = self._cached.get(seq)
+        if tokens and len(tokens) < len(prompt) and prompt[: len(tokens)] == tokens:
+            return len(tokens)
+        return 0
+
+    # ------------------------------------------------------------ changes
+
+    def take(self, seq: int, prompt: list[int]) -> int:
+        """Take a free sequence for a request; returns how many prompt tokens its cached state covers
+        (the state is kept), else 0 (the state is cleared)."""
+        reused = self.reusable(seq, prompt)
+        self._free.remove(seq)
+        self._cached.pop(seq, None)
+        if not reused:
+            self._clear(seq)
+        return reused
+
+    def release(self, seq: int, folded: list[int] | None) -> None:
+        """Return a sequence; with the prompt cache and ``folded`` tokens, its state stays for reuse."""
+        if self.prompt_cache and folded:
+            self._cached[seq] = folded
+        else:
+            self._clear(seq)
+        self._free.append(seq)
+
+    def hold(self, seq: int, session: Session) -> None:
+        """Give a taken sequence to a session, which keeps it between requests."""
+        self._sessions[seq] = session
+
+    def unhold(self, seq: int) -> None:
+        """A closed session's sequence: cleared and free."""
+        del self._sessions[seq]
+        self.release(seq, None)
+
+    def set_cached(self, seq: int, tokens: list[int] | None) -> None:
+        """Record what a free sequence's state folds (after a restore), or that it holds nothing."""
+        self._cached.pop(seq, None)
+        if tokens is not None:
+            self._cached[seq] = tokens
+
+    def erase(self, seq: int) -> int:
+        """Clear a free sequence's cached state; returns the number of tokens it held."""
+        self._clear(seq)
+        return len(self._cached.pop(seq, []))

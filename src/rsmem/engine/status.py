@@ -1,0 +1,84 @@
+"""What the engine reports about itself: running totals, health, and one snapshot for servers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+DEGRADED_SECONDS = 60.0  # a model failure keeps health "degraded" this long
+ERROR_AFTER_FAILURES = 3  # consecutive failed decode steps that make health "error"
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Running totals, for reports and the server's metrics."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    failed_steps: int = 0
+
+
+class Health:
+    """``ok``, ``degraded`` (a model failure in the last minute) or ``error`` (the last few decode
+    steps all failed and none has succeeded since)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._consecutive = 0
+        self._last_failure: tuple[float, str] | None = None
+
+    def step_failed(self, reason: str) -> None:
+        self._consecutive += 1
+        self._last_failure = (self._clock(), reason)
+
+    def step_succeeded(self) -> None:
+        self._consecutive = 0
+
+    def status(self) -> tuple[str, str | None]:
+        if self._last_failure is None:
+            return "ok", None
+        when, reason = self._last_failure
+        if self._consecutive >= ERROR_AFTER_FAILURES:
+            return "error", f"the last {self._consecutive} decode steps failed: {reason}"
+        age = self._clock() - when
+        if age < DEGRADED_SECONDS:
+            return "degraded", f"a decode step failed {age:.0f} s ago: {reason}"
+        return "ok", None
+
+
+@dataclass(frozen=True, slots=True)
+class SlotInfo:
+    id: int
+    busy: bool  # running a request or held by a session
+    request_id: str | None
+    n_cached_tokens: int  # tokens a free slot's kept state folds
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's state at one moment, read in one call between steps."""
+
+    n_slots: int
+    waiting: int  # requests queued for sequences
+    waiting_seqs: int  # sequences those requests need (their n)
+    running: int
+    free_slots: int
+    slots: tuple[SlotInfo, ...]
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generated_tokens: int
+    decode_seconds: float
+    steps: int
+    requests_finished: int
+    requests_failed: int
+    cells_active: int  # memory cells of running requests and sessions
+    cells_used: int  # cells in use, prompt cache included
+    cells_total: int
+    health: str
+    health_reason: str | None

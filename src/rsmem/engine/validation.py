@@ -1,0 +1,81 @@
+"""The one place a generation request is checked before it is queued.
+
+``SamplingParams`` checks each field's own range when it is built; :func:`check_request` checks what
+depends on the engine: the vocabulary, the number of sequences, the slots and sessions, and the limits
+a server sets. Each refusal is an :class:`~rsmem.errors.InvalidRequestError` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rsmem.engine.request import Session
+from rsmem.engine.sampling import SamplingParams
+from rsmem.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What the engine accepts: its vocabulary and sequences, and optional server limits."""
+
+    n_vocab: int
+    n_seq_max: int
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+
+
+def check_params(params: SamplingParams, limits: RequestLimits) -> None:
+    if params.n > limits.n_seq_max:
+        raise InvalidRequestError(
+            "n", f"= {params.n} completions need more sequences than there are ({limits.n_seq_max})"
+        )
+    if limits.max_tokens is not None:
+        if params.max_tokens is None:
+            raise InvalidRequestError("max_tokens", f"must be set (at most {limits.max_tokens})")
+        if params.max_tokens > limits.max_tokens:
+            raise InvalidRequestError(
+                "max_tokens", f"{params.max_tokens} exceeds the limit of {limits.max_tokens}"
+            )
+    for token, _ in params.logit_bias or ():  # type: ignore[misc]
+        if token >= limits.n_vocab:
+            raise InvalidRequestError(
+                "logit_bias", f"names token {token}, outside the vocabulary [0, {limits.n_vocab})"
+            )
+
+
+def check_prompt(tokens: list[int], limits: RequestLimits) -> None:
+    if not tokens:
+        raise InvalidRequestError("prompt", "is empty (and the model has no BOS token to start from)")
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limits.n_vocab:
+            raise InvalidRequestError(
+                "prompt", f"token {i}: id {t!r} is outside the vocabulary [0, {limits.n_vocab})"
+            )
+    if limits.max_prompt_tokens is not None and len(tokens) > limits.max_prompt_tokens:
+        raise InvalidRequestError(
+            "prompt", f"has {len(tokens)} tokens, more than the limit of {limits.max_prompt_tokens}"
+        )
+
+
+def check_placement(
+    params: SamplingParams,
+    limits: RequestLimits,
+    *,
+    session: Session | None,
+    slot: int | None,
+    held: set[int],
+) -> None:
+    """A session must be open and idle, and generate one completion; a slot must exist and be free of
+    sessions (``held``: the sequences sessions hold)."""
+    if session is not None:
+        if params.n != 1:
+            raise InvalidRequestError("n", f"must be 1 for a session request, got {params.n}")
+        if session.closed or session.busy:
+            state = "closed" if session.closed else "busy"
+            raise InvalidRequestError("session", f"on sequence {session.seq_id} is {state}")
+    if slot is not None:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < limits.n_seq_max:
+            last = limits.n_seq_max - 1
+            raise InvalidRequestError("slot", f"{slot!r} does not exist: slots are 0 to {last}")
+        if slot in held:
+            raise InvalidRequestError("slot", f"{slot} is held by a session")
