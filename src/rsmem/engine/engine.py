@@ -211,7 +211,8 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests wait or run, or have finished without a report yet (aborted, interrupted)."""
+        return bool(self.waiting or self.running) or len(self.requests) > 0
 
     def request_progress(self, request_id: str) -> tuple[int, int] | None:
         """(prompt tokens processed, prompt length) of a live request; None if unknown or finished."""
@@ -281,18 +282,36 @@ class Engine:
             self.running.append(req)
 
     def _plan(self) -> list[_Planned]:
-        """What the next batch holds, in batch order: decode tokens first, then prompt chunks from what
-        is left of the budget. Changes nothing."""
+        """What the next batch holds, in batch order: decode tokens first, then replays and prompt chunks
+        from what is left of the budget. A suspect request (see ``_fail_batch``) runs alone. Changes
+        nothing."""
+        running = self.running
+        suspect = next((r for r in running if r.suspect), None)
+        if suspect is not None:
+            running = [suspect]
         plan = [
             _Planned(req, c, 1, True)
-            for req in self.running
+            for req in running
             if req.phase is Phase.DECODE
             for c in req.completions
-            if not c.finished
+            if not c.finished and not c.replay
         ]
         budget = self.max_batch_tokens - len(plan)
-        for req in self.running:
-            if req.phase is not Phase.PREFILL or budget <= 0:
+        for req in running:
+            if budget <= 0:
+                break
+            if req.phase is Phase.DECODE:
+                for c in req.completions:
+                    if c.replay and not c.finished and budget > 0:
+                        n = min(budget, len(c.replay))
+                        budget -= n
+                        plan.append(_Planned(req, c, n, False))
+                continue
+            c0 = req.completions[0]
+            if c0.replay:
+                n = min(budget, len(c0.replay))
+                budget -= n
+                plan.append(_Planned(req, c0, n, False))
                 continue
             n = min(budget, len(req.prompt_tokens) - req.n_prefilled)
             budget -= n
@@ -305,27 +324,37 @@ class Engine:
         seq_ids: list[list[int]] = []
         logits: list[bool] = []
         for part in plan:
-            if part.completion is not None:
-                tokens.append(part.completion.tokens[-1])
-                seq_ids.append([part.completion.seq_id])
-            else:
+            c = part.completion
+            if c is None:
                 start = part.req.n_prefilled
                 tokens.extend(part.req.prompt_tokens[start : start + part.n_tokens])
-                seq_ids.extend([part.req.prefill_seq] for _ in range(part.n_tokens))
+                seq = part.req.prefill_seq
+            elif c.replay:
+                tokens.extend(c.replay[: part.n_tokens])
+                seq = c.seq_id
+            else:
+                tokens.append(c.tokens[-1])
+                seq = c.seq_id
+            seq_ids.extend([seq] for _ in range(part.n_tokens))
             logits.extend([False] * (part.n_tokens - 1) + [part.output])
         return Batch(tokens, seq_ids=seq_ids, logits=logits)
 
     def _commit(self, plan: list[_Planned]) -> None:
-        """The decode succeeded: prompts advance, finished prompts fork into their other completions."""
+        """The decode succeeded: prompts and replays advance, finished prompts fork into their other
+        completions, and a suspect that produced output is trusted again."""
         for part in plan:
-            if part.completion is not None:
+            req, c = part.req, part.completion
+            if part.output:
+                req.suspect = False
+            if c is not None:
+                if not part.output:  # a replay chunk
+                    del c.replay[: part.n_tokens]
                 continue
-            req = part.req
             req.n_prefilled += part.n_tokens
             self.stats.prompt_tokens += part.n_tokens
             if part.output:  # the prompt is in
-                for c in req.completions[1:]:
-                    self.ctx.memory.seq_cp(req.prefill_seq, c.seq_id)
+                for other in req.completions[1:]:
+                    self.ctx.memory.seq_cp(req.prefill_seq, other.seq_id)
                 req.phase = Phase.DECODE
 
     def _sample(self, plan: list[_Planned], touched: dict[str, Request]) -> None:
@@ -351,7 +380,8 @@ class Engine:
                     sub_tokens, sub_lp = self._sample_rows(logits[idx], [targets[i] for i in idx])
                 except Exception as exc:
                     bad_state = not bool(torch.isfinite(logits[idx]).all())
-                    self._fail(targets[idx[0]][0], ErrorKind.REQUEST, _sampling_error(exc, bad_state))
+                    message = _sampling_error(exc, bad_state)
+                    self._fail(targets[idx[0]][0], ErrorKind.REQUEST, message, state_lost=bad_state)
                     continue
                 for j, i in enumerate(idx):
                     tokens[i], logprobs[i] = sub_tokens[j], sub_lp[j]
@@ -422,14 +452,39 @@ class Engine:
     # ------------------------------------------------------------ failures
 
     def _fail_batch(self, plan: list[_Planned], exc: BaseException) -> None:
-        """The decode raised: every request of the batch fails; their sequences are already cleared."""
-        interrupted = not isinstance(exc, Exception)
-        message = "interrupted" if interrupted else f"the model failed: {type(exc).__name__}: {exc}"
-        if not interrupted:
-            self.stats.failed_steps += 1
-            self.health.step_failed(message)
-        for req in {id(p.req): p.req for p in plan}.values():
-            self._fail(req, ErrorKind.MODEL, message, reason=FinishReason.ABORT if interrupted else None)
+        """The decode raised, and has cleared the states of the batch's sequences.
+
+        A batch of one request, or a suspect's batch, fails that request. A batch of several does not
+        say whose fault it was: each of its requests becomes a suspect, its lost state is rebuilt by
+        replaying its tokens, and suspects run alone until each produces output, so only a request the
+        model fails on by itself fails; the others go on with the same results.
+        """
+        reqs = list({id(p.req): p.req for p in plan}.values())
+        if not isinstance(exc, Exception):  # interrupted (Ctrl-C): the batch's requests end
+            for req in reqs:
+                self._fail(req, ErrorKind.MODEL, "interrupted", reason=FinishReason.ABORT)
+            return
+        message = f"the model failed: {type(exc).__name__}: {exc}"
+        self.stats.failed_steps += 1
+        self.health.step_failed(message)
+        if len(reqs) == 1 or any(r.suspect for r in reqs):
+            for req in reqs:
+                self._fail(req, ErrorKind.MODEL, message)
+            return
+        for req in reqs:
+            req.suspect = True
+            self._rebuild(req)
+
+    def _rebuild(self, req: Request) -> None:
+        """Plan the replay of what ``req``'s sequences held (their states were cleared)."""
+        base = list(req.session.tokens) if req.session is not None else []
+        if req.phase is Phase.PREFILL:
+            req.completions[0].replay = base
+            req.n_prefilled = 0
+            return
+        for c in req.completions:
+            if not c.finished:
+                c.replay = base + req.prompt_tokens + c.tokens[:-1]
 
     def _fail(
         self,

@@ -89,15 +89,15 @@ class LLM:
         """Generate for every prompt (batched together); outputs in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids = self.engine.add_requests(prompts, params)
         final: dict[str, RequestOutput] = {}
-        for out in self.engine.run_until_done():
-            if out.finished:
-                final[out.request_id] = out
+        try:
+            for out in self.engine.run_until_done():
+                if out.finished:
+                    final[out.request_id] = out
+        finally:  # interrupted (Ctrl-C): nothing of these requests stays behind
+            for rid in ids:
+                self.engine.abort(rid)
         return [final[i] for i in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:

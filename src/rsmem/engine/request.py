@@ -43,6 +43,7 @@ class Completion:
     text: str = ""
     finish_reason: FinishReason | None = None
     error: str | None = None  # why it failed (finish_reason ERROR)
+    replay: list[int] = field(default_factory=list)  # tokens to fold in again (a lost state rebuilt)
     reported_chars: int = 0  # text already sent in reports
     reported_tokens: int = 0
 
@@ -79,6 +80,7 @@ class Request:
     slot: int | None = None  # a sequence id the request must run in (its first completion)
     n_cached: int = 0  # prompt tokens a cached state covered (never processed)
     error_kind: ErrorKind | None = None
+    suspect: bool = False  # in a batch the model failed on: runs alone until it produces output
 
     @property
     def finished(self) -> bool:

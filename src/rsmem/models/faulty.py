@@ -57,7 +57,7 @@ class FaultyModel:
     def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         seqs = frozenset(s for ids in ubatch.seq_ids for s in ids)
         failing = self._raise_when is not None and self._raise_when(seqs)
-        poisoned = [k for k, s in enumerate(ubatch.primary_seq_ids()) if s in self._poisoned]
+        poisoned = [k for k, s in enumerate(ubatch.primary_seq_ids) if s in self._poisoned]
         if failing and self._after_layers == 0:
             self.faults_raised += 1
             raise InjectedFault(f"injected fault in a micro-batch of sequences {sorted(seqs)}")
@@ -66,7 +66,7 @@ class FaultyModel:
         if failing:  # fewer recurrent layers than after_layers: fail at the end
             self.faults_raised += 1
             raise InjectedFault(f"injected fault after the layers of sequences {sorted(seqs)}")
-        self._poisoned.difference_update(ubatch.primary_seq_ids())
+        self._poisoned.difference_update(ubatch.primary_seq_ids)
         return logits
 
 
