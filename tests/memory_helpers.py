@@ -28,8 +28,9 @@ class MemorySnapshot:
         assert self.seqs == other.seqs
         assert self.head == other.head
         assert self.used == other.used
-        for a, b in zip(self.rows, other.rows):
-            assert torch.equal(a, b)
+        assert len(self.rows) == len(other.rows)
+        for a, b in zip(self.rows, other.rows):  # byte for byte: NaN == NaN, 0.0 != -0.0
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def snapshot(memory: RecurrentMemory) -> MemorySnapshot:

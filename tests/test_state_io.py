@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 
@@ -187,7 +188,8 @@ def test_bit_flip_sweep_of_a_blob():
     The header and metadata are swept bit by bit. Flips that stay valid are the low 31 bits of the
     cell position and of the source seq id (the format carries no checksum: any non-negative value is
     legal there); for those the load must succeed and carry the flipped value. The row data is plain
-    floats: flips there load and round-trip exactly.
+    floats: a flip there loads and round-trips exactly, unless it made the value NaN or inf, which is
+    refused with the memory unchanged.
     """
     ctx = _ctx_with_two_sequences()
     blob = ctx.state_seq_get_data(0)
@@ -210,10 +212,20 @@ def test_bit_flip_sweep_of_a_blob():
         before.assert_same(snapshot(ctx.memory))
     data_bits = [8 * byte + b for byte in range(len(blob)) if byte not in header_bytes for b in range(8)]
     assert len(data_bits) == 4 * row_bytes * 8
-    for bit in data_bits[::7]:
+    refused = 0
+    for bit in data_bits:
         bad = _flip(blob, bit)
-        ctx.state_seq_set_data(bad, 2)
-        assert ctx.state_seq_get_data(2)[8:] == bad[8:]
+        value_at = (bit // 8) // 4 * 4
+        if math.isfinite(struct.unpack_from("<f", bad, value_at)[0]):
+            ctx.state_seq_set_data(bad, 2)
+            assert ctx.state_seq_get_data(2)[8:] == bad[8:]
+            continue
+        before = snapshot(ctx.memory)  # an exponent flip that made the value NaN or inf
+        with pytest.raises(StateFormatError, match="non-finite"):
+            ctx.state_seq_set_data(bad, 2)
+        before.assert_same(snapshot(ctx.memory))
+        refused += 1
+    assert refused > 0  # exponent flips of values in [1, 2) make an inf or a NaN
 
 
 @pytest.mark.parametrize(
@@ -280,3 +292,74 @@ def test_sequence_file_with_bad_token_count_is_rejected(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(StateFormatError, match="tokens do not fit"):
         ctx.state_seq_load_file(path, 0)
+
+
+# ------------------------------------------------------- non-finite states
+
+
+def _poisoned_source(kind: str, il: int, value: float) -> Context:
+    """Sequences 0 and 1 decoded; one value of sequence 1's layer ``il`` ``kind`` row set to ``value``."""
+    model, src = toy_context(n_seq_max=3)
+    decode_seq(src, 0, [1, 2, 3])
+    decode_seq(src, 1, [4, 5])
+    rows = (src.memory.r_l if kind == "r" else src.memory.s_l)[il]
+    assert rows is not None
+    rows[src.memory.cells.tail[1], 2] = value
+    return src
+
+
+NON_FINITE = [("NaN", math.nan), ("inf", math.inf), ("inf", -math.inf)]
+
+
+@pytest.mark.parametrize(("name", "value"), NON_FINITE, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("il", [0, 1])
+@pytest.mark.parametrize("kind", ["r", "s"])
+def test_non_finite_sequence_state_is_refused_with_memory_unchanged(tmp_path, kind, il, name, value):
+    src = _poisoned_source(kind, il, value)
+    blob = src.state_seq_get_data(1)
+    src.state_seq_save_file(tmp_path / "s.ggsq", 1, [4, 5])
+    ctx = _ctx_with_two_sequences()
+    before = snapshot(ctx.memory)
+    message = rf"layer {il}: the {kind} state for sequence {{}} holds 1 non-finite values: {name}$"
+    for dest in (0, 2):  # over a sequence that holds a state, and into an empty one
+        with pytest.raises(StateFormatError, match=message.format(dest)):
+            ctx.state_seq_set_data(blob, dest)
+        before.assert_same(snapshot(ctx.memory))
+        with pytest.raises(StateFormatError, match=message.format(dest)):
+            ctx.state_seq_load_file(tmp_path / "s.ggsq", dest)
+        before.assert_same(snapshot(ctx.memory))
+
+
+@pytest.mark.parametrize(("name", "value"), NON_FINITE, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("kind", ["r", "s"])
+def test_non_finite_session_state_is_refused_with_memory_unchanged(tmp_path, kind, name, value):
+    src = _poisoned_source(kind, 1, value)
+    src.memory.seq_cp(1, 2)  # the poisoned cell is shared: the message lists both sequences
+    src.state_save_file(tmp_path / "all.ggsn", [4, 5])
+    data = src.state_get_data()
+    ctx = _ctx_with_two_sequences()
+    before = snapshot(ctx.memory)
+    message = rf"layer 1: the {kind} state of cell \d+ \(sequences 1, 2\) holds 1 non-finite values: {name}$"
+    with pytest.raises(StateFormatError, match=message):
+        ctx.state_load_file(tmp_path / "all.ggsn")
+    before.assert_same(snapshot(ctx.memory))
+    with pytest.raises(StateFormatError, match=message):
+        ctx.state_set_data(data)
+    before.assert_same(snapshot(ctx.memory))
+
+
+def test_finite_values_that_overflow_a_float16_memory_are_refused():
+    model, src = toy_context(n_seq_max=2)
+    decode_seq(src, 0, [1, 2])
+    s0 = src.memory.s_l[0]
+    assert s0 is not None
+    s0[src.memory.cells.tail[0], 1] = 1e6  # finite in float32, above float16's 65504
+    ctx = Context(model, n_seq_max=2, state_dtype=torch.float16)
+    decode_seq(ctx, 1, [3])
+    before = snapshot(ctx.memory)
+    with pytest.raises(StateFormatError, match=r"layer 0: the s state for sequence 0 .* out of range"):
+        ctx.state_seq_set_data(src.state_seq_get_data(0), 0)
+    before.assert_same(snapshot(ctx.memory))
+    s0[src.memory.cells.tail[0], 1] = 6e4  # in range: loads
+    ctx.state_seq_set_data(src.state_seq_get_data(0), 0)
+    assert ctx.memory.seq_pos_max(0) == 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -66,7 +67,7 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return copies
 
 
-def huge_page_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+def huge_page_zeros(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
     """CPU zero tensors of ``shapes``: in one huge-page mapping, allocated there directly (no copy, no
     second allocation: a server's state memory can be gigabytes), or plain ``torch.zeros`` when small or
     not available."""

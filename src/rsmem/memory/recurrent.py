@@ -11,7 +11,7 @@ from (``src0``), and the model's gather through the memory context performs the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +97,8 @@ class RecurrentMemory:
 
     # ------------------------------------------------------- sequence queries
 
-    def _require_seq(self, seq_id: int, what: str) -> None:
+    def require_seq(self, seq_id: int, what: str) -> None:
+        """Raise UnknownSequenceError (naming ``what`` was asked) unless ``0 <= seq_id < size``."""
         if not 0 <= seq_id < self.size:
             raise UnknownSequenceError(f"{what}: seq_id {seq_id} is outside [0, {self.size})")
 
@@ -107,7 +108,7 @@ class RecurrentMemory:
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Position of the last token folded into the sequence's state (-1 if empty)."""
-        self._require_seq(seq_id, "seq_pos_max")
+        self.require_seq(seq_id, "seq_pos_max")
         c = self.cells.tail[seq_id]
         return self.cells.pos[c] if c >= 0 else -1
 
@@ -172,8 +173,8 @@ class RecurrentMemory:
         No data is copied; the shared cell is copied on the first write to either sequence.
         """
         del p0, p1
-        self._require_seq(seq_id_src, "seq_cp source")
-        self._require_seq(seq_id_dst, "seq_cp destination")
+        self.require_seq(seq_id_src, "seq_cp source")
+        self.require_seq(seq_id_dst, "seq_cp destination")
         if seq_id_src == seq_id_dst:
             return
         cells = self.cells
@@ -186,7 +187,7 @@ class RecurrentMemory:
 
     def seq_keep(self, seq_id: int) -> None:
         """Drop every sequence but ``seq_id``."""
-        self._require_seq(seq_id, "seq_keep")
+        self.require_seq(seq_id, "seq_keep")
         cells = self.cells
         new_head = self.size
         for s in range(self.size):
@@ -211,7 +212,7 @@ class RecurrentMemory:
 
     def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
         """Shift the sequence's position by ``shift`` if it lies in ``[p0, p1)``; the state is unchanged."""
-        self._require_seq(seq_id, "seq_add")
+        self.require_seq(seq_id, "seq_add")
         p0, p1 = max(p0, 0), (POS_MAX if p1 < 0 else p1)
         if shift == 0 or p0 == p1:
             return
@@ -227,7 +228,7 @@ class RecurrentMemory:
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         """Divide the sequence's position by ``d`` (integer division) if it lies in ``[p0, p1)``."""
-        self._require_seq(seq_id, "seq_div")
+        self.require_seq(seq_id, "seq_div")
         if d <= 0:
             raise ValueError(f"seq_div: divisor must be positive, got {d}")
         p0, p1 = max(p0, 0), (POS_MAX if p1 < 0 else p1)
@@ -341,7 +342,7 @@ class RecurrentMemory:
         self.used = cells.n_used()
         return self.n >= n_seqs
 
-    def _free_cells(self):
+    def _free_cells(self) -> Iterator[int]:
         """Empty cells in circular order from ``head``, skipping those claimed since the scan began."""
         for k in range(self.size):
             c = (self.head + k) % self.size

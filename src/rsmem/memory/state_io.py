@@ -11,8 +11,9 @@ Around it: the in-memory sequence blob (magic 0xaf143cd8, source seq id), sequen
 version 3, tokens) and session files ('ggsn', version 9, tokens, arch name).
 
 Reading is two-phase: :func:`parse_payload` checks every field against the memory and decodes the rows
-without touching anything; only then :func:`restore_payload` changes the memory. A failure in either
-phase leaves the memory exactly as it was (llama.cpp clears the destination instead).
+without touching anything (rows must be finite: a NaN or inf state would poison every token decoded
+after it); only then :func:`restore_payload` changes the memory. A failure in either phase leaves the
+memory exactly as it was (llama.cpp clears the destination instead).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,7 +50,7 @@ class Reader:
         self.data = memoryview(data)
         self.offset = 0
 
-    def unpack(self, fmt: str, what: str) -> tuple:
+    def unpack(self, fmt: str, what: str) -> tuple[Any, ...]:
         size = struct.calcsize("<" + fmt)
         if self.offset + size > len(self.data):
             raise StateFormatError(
@@ -60,10 +62,10 @@ class Reader:
         return values
 
     def u32(self, what: str) -> int:
-        return self.unpack("I", what)[0]
+        return int(self.unpack("I", what)[0])
 
     def i32(self, what: str) -> int:
-        return self.unpack("i", what)[0]
+        return int(self.unpack("i", what)[0])
 
     def take(self, n: int, what: str) -> memoryview:
         if n < 0 or self.offset + n > len(self.data):
@@ -102,7 +104,7 @@ def write_payload(memory: RecurrentMemory, seq_id: int = -1) -> bytes:
     """The payload of one sequence (``seq_id >= 0``) or of every non-empty cell (``-1``)."""
     cells = memory.cells
     if seq_id >= 0:
-        memory._require_seq(seq_id, "state write")
+        memory.require_seq(seq_id, "state write")
         index = [cells.tail[seq_id]] if cells.tail[seq_id] >= 0 else []
     else:
         index = [c for c in range(memory.size) if cells.seqs[c]]
@@ -124,7 +126,11 @@ def write_payload(memory: RecurrentMemory, seq_id: int = -1) -> bytes:
 # ---------------------------------------------------------------- reading
 
 
-def _parse_rows(reader: Reader, t: torch.Tensor, cell_count: int, kind: str, il: int) -> torch.Tensor:
+def _parse_rows(
+    reader: Reader, t: torch.Tensor, cell_count: int, kind: str, il: int, owners: list[str]
+) -> torch.Tensor:
+    """Layer ``il``'s ``kind`` rows of ``cell_count`` cells, in ``t``'s dtype, checked to be finite;
+    ``owners[c]`` names cell ``c``'s sequences in an error message ("for sequence 3")."""
     type_id = reader.i32(f"{kind} type of layer {il}")
     row_bytes = reader.unpack("Q", f"{kind} row size of layer {il}")[0]
     dtype = DTYPE_OF_GGML_TYPE.get(type_id)
@@ -141,12 +147,34 @@ def _parse_rows(reader: Reader, t: torch.Tensor, cell_count: int, kind: str, il:
     raw = reader.take(cell_count * row_bytes, f"{kind} rows of layer {il}")
     if cell_count == 0:
         return torch.empty(0, n_embd, dtype=t.dtype)
-    rows = torch.frombuffer(bytearray(raw), dtype=dtype).view(cell_count, n_embd)
-    return rows.to(t.dtype)
+    stored = torch.frombuffer(bytearray(raw), dtype=dtype).view(cell_count, n_embd)
+    rows = stored.to(t.dtype)
+    _require_finite(rows, stored, kind, il, owners)
+    return rows
 
 
-def parse_payload(reader: Reader, memory: RecurrentMemory, single_seq: bool) -> Payload:
-    """Decode and validate a payload against ``memory``; raises StateFormatError, changes nothing."""
+def _require_finite(rows: torch.Tensor, stored: torch.Tensor, kind: str, il: int, owners: list[str]) -> None:
+    """Raise StateFormatError naming the layer, the tensor and the sequence when ``rows`` (``stored``
+    converted to the memory's dtype) hold a NaN or an inf: such a state would poison every token decoded
+    after it. One ``isfinite`` pass over the block when it is finite."""
+    if bool(torch.isfinite(rows).all()):
+        return
+    bad = ~torch.isfinite(rows)
+    c = int(bad.any(dim=1).nonzero()[0, 0])  # the first offending cell
+    found = " and ".join(
+        name for name, test in (("NaN", torch.isnan), ("inf", torch.isinf)) if test(rows[c]).any()
+    )
+    if bool(torch.isfinite(stored[c]).all()):
+        found += f" (finite {stored.dtype} values out of range of the {rows.dtype} memory)"
+    raise StateFormatError(
+        f"layer {il}: the {kind} state {owners[c]} holds {int(bad[c].sum())} non-finite values: {found}"
+    )
+
+
+def parse_payload(reader: Reader, memory: RecurrentMemory, dest_seq: int) -> Payload:
+    """Decode and validate a payload against ``memory``: one sequence's state to restore into ``dest_seq``,
+    or (``dest_seq < 0``) the whole memory's. Raises StateFormatError; changes nothing."""
+    single_seq = dest_seq >= 0
     cell_count = reader.u32("cell count")
     if single_seq and cell_count > 1:
         raise StateFormatError(f"a sequence's state has at most one cell, this one has {cell_count}")
@@ -176,11 +204,20 @@ def parse_payload(reader: Reader, memory: RecurrentMemory, single_seq: bool) -> 
     n_layer = reader.u32("layer count")
     if n_layer != memory.n_layer:
         raise StateFormatError(f"state has {n_layer} layers, the model {memory.n_layer}")
+    if single_seq:
+        owners = [f"for sequence {dest_seq}"] * cell_count
+    else:
+        owners = [
+            f"of cell {c} (sequence{'s' * (len(ids) > 1)} {', '.join(map(str, ids))})"
+            for c, (_, ids) in enumerate(cells)
+        ]
     r_rows = [
-        None if t is None else _parse_rows(reader, t, cell_count, "r", il) for il, t in enumerate(memory.r_l)
+        None if t is None else _parse_rows(reader, t, cell_count, "r", il, owners)
+        for il, t in enumerate(memory.r_l)
     ]
     s_rows = [
-        None if t is None else _parse_rows(reader, t, cell_count, "s", il) for il, t in enumerate(memory.s_l)
+        None if t is None else _parse_rows(reader, t, cell_count, "s", il, owners)
+        for il, t in enumerate(memory.s_l)
     ]
     return Payload(cells, r_rows, s_rows)
 
@@ -205,7 +242,7 @@ def restore_payload(memory: RecurrentMemory, payload: Payload, dest_seq: int) ->
         memory.used = len(payload.cells)
         _write_rows(memory, payload, 0)
         return
-    memory._require_seq(dest_seq, "state restore")
+    memory.require_seq(dest_seq, "state restore")
     saved = (memory.cells.copy(), memory.head, memory.used, memory.n, memory.rs_z)
     try:
         memory.seq_rm(dest_seq, -1, -1)
@@ -231,7 +268,7 @@ def seq_blob(memory: RecurrentMemory, seq_id: int) -> bytes:
 
 def load_seq_blob(memory: RecurrentMemory, data: bytes, dest_seq: int) -> int:
     """``llama_state_seq_set_data``: restore a blob into ``dest_seq``; returns the bytes read."""
-    memory._require_seq(dest_seq, "state restore")
+    memory.require_seq(dest_seq, "state restore")
     reader = Reader(data)
     magic = reader.u32("blob magic")
     if magic != SEQ_BLOB_MAGIC:
@@ -239,7 +276,7 @@ def load_seq_blob(memory: RecurrentMemory, data: bytes, dest_seq: int) -> int:
     source = reader.i32("source seq id")
     if source < 0:
         raise StateFormatError(f"source seq id {source} is negative")
-    payload = parse_payload(reader, memory, single_seq=True)
+    payload = parse_payload(reader, memory, dest_seq)
     reader.expect_end()
     restore_payload(memory, payload, dest_seq)
     return reader.offset
@@ -269,10 +306,10 @@ def seq_file_bytes(memory: RecurrentMemory, seq_id: int, tokens: list[int]) -> b
 
 def load_seq_file_bytes(memory: RecurrentMemory, data: bytes, dest_seq: int) -> list[int]:
     """Restore a sequence file's state into ``dest_seq``; returns its tokens."""
-    memory._require_seq(dest_seq, "state restore")
+    memory.require_seq(dest_seq, "state restore")
     reader = Reader(data)
     tokens = _read_tokens_header(reader, SEQ_FILE_MAGIC, SEQ_FILE_VERSIONS_READ, "sequence state file")
-    payload = parse_payload(reader, memory, single_seq=True)
+    payload = parse_payload(reader, memory, dest_seq)
     reader.expect_end()
     restore_payload(memory, payload, dest_seq)
     return tokens
@@ -290,7 +327,7 @@ def load_context_state(memory: RecurrentMemory, reader: Reader, arch: str) -> No
     name = bytes(reader.take(n, "arch name")).decode(errors="replace")
     if name != arch:
         raise StateFormatError(f"state was saved by a {name!r} model, this one is {arch!r}")
-    payload = parse_payload(reader, memory, single_seq=False)
+    payload = parse_payload(reader, memory, -1)
     reader.expect_end()
     restore_payload(memory, payload, -1)
 
