@@ -1,4 +1,4 @@
-"""A live server on a free loopback port, driven by the official ``openai`` client."""
+"""A live server on a free loopback port, driven by the official ``openai`` client and raw HTTP."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 
 from rsmem.engine import LLM, Engine, default_model_path
-from rsmem.server import EngineRunner, ServerSettings, create_app
+from rsmem.server import EngineRunner, ServeOptions, ServerSettings, build_app
+
+MODEL = "test-model"
 
 
 def model_path() -> Path:
@@ -33,8 +36,31 @@ class LiveServer:
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
+    def snapshot(self) -> dict[str, float]:
+        """The engine's state as /metrics reports it (gauges and counters without labels)."""
+        out = {}
+        for line in httpx.get(f"{self.url}/metrics", headers=self.auth()).text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.split()
+                out[name] = float(value)
+        return out
 
-def _free_port() -> int:
+    def auth(self) -> dict[str, str]:
+        key = self.settings.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def wait_idle(self, timeout: float = 20) -> None:
+        """Until no request runs or waits and no cell is held by one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.snapshot()
+            if not (m["rsmem_requests_running"] or m["rsmem_queue_length"] or m["rsmem_memory_cells_active"]):
+                return
+            assert time.monotonic() < deadline, f"requests did not finish: {m}"
+            time.sleep(0.05)
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -46,26 +72,26 @@ def shared_llm() -> LLM:
 
 
 @contextmanager
-def start_server(llm: LLM, *, max_queue: int = 16, **settings) -> Iterator[LiveServer]:
-    engine = Engine(llm.context, llm.tokenizer, prompt_cache=True)
-    runner = EngineRunner(engine, max_queue=max_queue)
-    cfg = ServerSettings(model_name="test-model", **settings)
-    app = create_app(runner, cfg)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+def start_server(llm: LLM, **options) -> Iterator[LiveServer]:
+    """``build_app`` (what ``run_server`` serves) under uvicorn in a thread; ``options`` are ServeOptions."""
+    options.setdefault("max_queue", 16)
+    options.setdefault("alias", MODEL)
+    served = build_app(llm, ServeOptions(**options))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(served.app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("server did not start")
         time.sleep(0.02)
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", engine, runner, cfg)
+        yield LiveServer(f"http://127.0.0.1:{port}", served.runner.engine, served.runner, served.state.settings)
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-        runner.stop()
+        served.runner.stop()
         llm.context.memory.clear()
 
 

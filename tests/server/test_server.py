@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import LiveServer, start_server
+from conftest import MODEL, LiveServer, start_server
 
 PROMPT = "To be, or not to be"
 
@@ -20,7 +20,7 @@ def client(live: LiveServer) -> openai.OpenAI:
 
 def greedy_text(client: openai.OpenAI, prompt: str, max_tokens: int = 12, **kw) -> str:
     r = client.completions.create(
-        model="test-model", prompt=prompt, max_tokens=max_tokens, temperature=0, **kw
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, **kw
     )
     return r.choices[0].text
 
@@ -41,7 +41,7 @@ def wait_idle(live: LiveServer, timeout: float = 20) -> None:
 
 
 def test_completion(client):
-    r = client.completions.create(model="test-model", prompt=PROMPT, max_tokens=8, temperature=0)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     assert r.object == "text_completion"
     assert len(r.choices) == 1 and r.choices[0].text
     assert r.choices[0].finish_reason in ("length", "stop")
@@ -51,7 +51,7 @@ def test_completion(client):
 
 def test_chat(client):
     r = client.chat.completions.create(
-        model="test-model",
+        model=MODEL,
         messages=[
             {"role": "system", "content": "Speak as a player."},
             {"role": "user", "content": "Who art thou?"},
@@ -68,7 +68,7 @@ def test_streaming_completion_equals_non_streaming(client):
     want = greedy_text(client, PROMPT, 16)
     chunks = list(
         client.completions.create(
-            model="test-model", prompt=PROMPT, max_tokens=16, temperature=0, stream=True
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True
         )
     )
     assert "".join(c.choices[0].text for c in chunks) == want
@@ -77,16 +77,16 @@ def test_streaming_completion_equals_non_streaming(client):
 
 def test_streaming_chat_equals_non_streaming(client):
     msgs = [{"role": "user", "content": "Speak, friend."}]
-    want = client.chat.completions.create(model="m", messages=msgs, max_tokens=12, temperature=0)
+    want = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
     chunks = list(
-        client.chat.completions.create(model="m", messages=msgs, max_tokens=12, temperature=0, stream=True)
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0, stream=True)
     )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.choices[0].message.content
 
 
 def test_n_completions(client):
-    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=1.0, n=3, seed=5)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, n=3, seed=5)
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
 
 
@@ -100,7 +100,7 @@ def test_stop_strings_cut_the_text(client):
 
 def test_seeds_reproduce(client):
     def sampled(seed: int) -> str:
-        r = client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed)
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed)
         return r.choices[0].text
 
     assert sampled(11) == sampled(11)
@@ -108,13 +108,13 @@ def test_seeds_reproduce(client):
 
 
 def test_logprobs(client):
-    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == len(lp.tokens) == r.usage.completion_tokens
     assert all(v <= 0 for v in lp.token_logprobs)
     assert all(1 <= len(t) <= 2 for t in lp.top_logprobs)  # tokens decoding alike share a key
     c = client.chat.completions.create(
-        model="m",
+        model=MODEL,
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=3,
         temperature=0,
@@ -133,7 +133,7 @@ def test_models_and_health(live):
 def test_slot_save_restore_continues_like_an_uninterrupted_run(client, live):
     def greedy_ids(prompt: list[int], slot: int) -> list[int]:
         r = client.completions.create(
-            model="m",
+            model=MODEL,
             prompt=prompt,
             max_tokens=10,
             temperature=0,
@@ -173,23 +173,24 @@ def test_bad_requests_get_400_with_a_clear_message(live, client):
     )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        client.completions.create(model="m", prompt=PROMPT, temperature=3.5)
-    with pytest.raises(openai.BadRequestError, match="max_tokens 100 exceeds the server limit of 64"):
-        client.completions.create(model="m", prompt=PROMPT, max_tokens=100)
-    with pytest.raises(openai.BadRequestError, match="more than the limit of 200"):
-        client.completions.create(model="m", prompt=" word" * 300, max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="request body exceeds the limit of 20000 bytes"):
-        client.completions.create(model="m", prompt="x" * 30_000, max_tokens=4)
+        client.completions.create(model=MODEL, prompt=PROMPT, temperature=3.5)
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens 100 exceeds the limit of 64 \(--max-tokens-limit\)"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100)
+    with pytest.raises(openai.BadRequestError, match=r"more than the limit of 200 \(--max-prompt-tokens\)"):
+        client.completions.create(model=MODEL, prompt=" word" * 300, max_tokens=4)
+    with pytest.raises(openai.APIStatusError, match="request body exceeds the limit of 20000 bytes") as info:
+        client.completions.create(model=MODEL, prompt="x" * 30_000, max_tokens=4)
+    assert info.value.status_code == 413
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.completions.create(model="m", prompt=PROMPT, logit_bias={"5": 500})
+        client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"5": 500})
     with pytest.raises(openai.BadRequestError, match="n"):
-        client.completions.create(model="m", prompt=PROMPT, n=0)
+        client.completions.create(model=MODEL, prompt=PROMPT, n=0)
     r = httpx.post(f"{live.url}/slots/0?action=explode")
     assert r.status_code == 400 and "unknown action" in r.json()["error"]["message"]
 
 
 def test_client_disconnect_mid_stream_frees_its_sequence(live):
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": 60, "temperature": 0.8, "stream": True}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60, "temperature": 0.8, "stream": True}
     with httpx.stream("POST", f"{live.base_url}/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
@@ -226,7 +227,7 @@ def test_api_key_is_required_except_for_health(shared_llm):
 def test_full_queue_gets_503_with_retry_after(shared_llm):
     with start_server(shared_llm, max_queue=1) as server:
         statuses: list[httpx.Response] = []
-        body = {"model": "m", "prompt": PROMPT, "max_tokens": 60, "temperature": 0}
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60, "temperature": 0}
 
         def post() -> None:
             statuses.append(httpx.post(f"{server.base_url}/completions", json=body, timeout=60))

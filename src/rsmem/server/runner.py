@@ -2,133 +2,260 @@
 
 The engine is not thread-safe, so every access goes through :meth:`EngineRunner.call`, which queues a
 function for the engine thread and awaits its result. Between engine steps the thread runs those
-commands; each step's reports are handed to the per-request asyncio queues of the listeners.
+commands; each step's reports go to the asyncio queue of the HTTP request that submitted them.
+
+``Engine.step()`` does not raise for a request's or the model's fault (it fails the requests
+concerned). Should it raise anyway, the runner fails only the requests in flight (it aborts them and
+sends each listener a :class:`StepFailure`), logs one line, and goes on serving: there is no
+permanent failure state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import queue
 import threading
+import time
 import uuid
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from rsmem.engine import Engine, RequestOutput, SamplingParams
+from rsmem.engine.status import EngineSnapshot
 
 T = TypeVar("T")
+log = logging.getLogger("rsmem.server")
 
 
 class QueueFullError(Exception):
     """Every slot is busy and the waiting queue is at its bound."""
 
 
+class EngineStoppedError(RuntimeError):
+    """The engine thread is not running (stopped, or never started)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepFailure:
+    """Sent to a request's listener when ``engine.step()`` raised: the request was aborted."""
+
+    message: str
+
+
+Report = RequestOutput | StepFailure
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """Requests submitted together (one HTTP request); their reports all arrive on ``reports``."""
+
+    request_ids: tuple[str, ...]
+    reports: asyncio.Queue[Report]
+
+
+@dataclass(slots=True)
+class _Command:
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop | None  # None: fire and forget
+    future: asyncio.Future[Any] | None
+
+    def run(self) -> None:
+        try:
+            result = self.fn()
+        except Exception as exc:
+            self.settle(exc, None)
+        else:
+            self.settle(None, result)
+
+    def settle(self, exc: BaseException | None, result: object) -> None:
+        if self.loop is None or self.future is None:
+            if exc is not None:
+                log.error("engine command failed: %s: %s", type(exc).__name__, exc)
+            return
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
+            self.loop.call_soon_threadsafe(_settle, self.future, exc, result)
+
+
 class EngineRunner:
     def __init__(self, engine: Engine, *, max_queue: int = 64) -> None:
         self.engine = engine
         self.max_queue = max_queue
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        # request id -> (loop, queue); touched only on the engine thread
+        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Report]]] = {}
         self._thread = threading.Thread(target=self._loop, name="rsmem-engine", daemon=True)
         self._stopping = False
-        self.error: BaseException | None = None
 
     # ----------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        self._thread.start()
+        """Start the engine thread (once; later calls do nothing)."""
+        if not self._thread.is_alive() and not self._stopping and self._thread.ident is None:
+            self._thread.start()
 
-    def stop(self) -> None:
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted through this runner that have not finished yet."""
+        return len(self._listeners)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is left, stop the thread, and fail every command still queued."""
+        if self._thread.is_alive():
+            self._commands.put(_Command(self._abort_all, None, None))
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout)
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            command.settle(EngineStoppedError("the engine is stopping"), None)
 
     def _loop(self) -> None:
         while not self._stopping:
-            while True:
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                command()
+            self._run_commands()
             if self.engine.has_unfinished:
-                try:
-                    outputs = self.engine.step()
-                except BaseException as exc:  # a model bug must not hang every client
-                    self.error = exc
-                    for rid in list(self.engine.requests):
-                        self.engine.abort(rid)
-                    outputs = self.engine.step()
-                for out in outputs:
-                    listener = self._listeners.get(out.request_id)
-                    if listener is not None:
-                        loop, q = listener
-                        loop.call_soon_threadsafe(q.put_nowait, out)
-                    if out.finished:
-                        self._listeners.pop(out.request_id, None)
+                self._step()
             else:
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
+        self._run_commands()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._fail_in_flight(exc)
+            time.sleep(0.01)  # never spin if the engine keeps raising
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out, final=out.finished)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command.run()
+
+    def _deliver(self, request_id: str, report: Report, *, final: bool) -> None:
+        listener = self._listeners.pop(request_id, None) if final else self._listeners.get(request_id)
+        if listener is None:
+            return
+        loop, reports = listener
+        try:
+            loop.call_soon_threadsafe(reports.put_nowait, report)
+        except RuntimeError:  # the listener's loop is gone: nobody will read this request
+            self._listeners.pop(request_id, None)
+            self.engine.abort(request_id)
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        message = f"the engine failed: {type(exc).__name__}: {exc}"
+        ids = list(self._listeners)
+        log.error("%s; aborted %d request(s) in flight, serving on", message, len(ids))
+        for rid in ids:
+            with contextlib.suppress(Exception):  # already broken for this request: tell its client
+                self.engine.abort(rid)
+            self._deliver(rid, StepFailure(message), final=True)
+
+    def _abort_all(self) -> int:
+        ids = list(self._listeners)
+        for rid in ids:
+            self.engine.abort(rid)
+        self._step()  # hands the final "abort" reports to their listeners
+        return len(ids)
 
     # ------------------------------------------------------------- commands
 
-    async def call(self, fn: Callable[[], T]) -> T:
+    async def call(self, fn: Callable[[], T], *, timeout: float | None = None) -> T:
         """Run ``fn`` on the engine thread between steps and return its result (or raise its error)."""
+        if not self.alive:
+            raise EngineStoppedError("the engine thread is not running")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-
-        def command() -> None:
-            try:
-                result = fn()
-            except BaseException as exc:
-                loop.call_soon_threadsafe(_set_exception, future, exc)
-            else:
-                loop.call_soon_threadsafe(_set_result, future, result)
-
-        self._commands.put(command)
+        self._commands.put(_Command(fn, loop, future))
         self._wake.set()
-        return await future
+        if timeout is None:
+            return await future
+        return await asyncio.wait_for(future, timeout)
+
+    def post(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the engine thread without waiting (safe from a ``finally`` of a cancelled task)."""
+        self._commands.put(_Command(fn, None, None))
+        self._wake.set()
+
+    async def snapshot(self, *, timeout: float | None = None) -> EngineSnapshot:
+        return await self.call(self.engine.snapshot, timeout=timeout)
 
     async def submit(
-        self, prompt: str | list[int], params: SamplingParams, *, slot: int | None = None
-    ) -> tuple[str, asyncio.Queue[RequestOutput]]:
-        """Queue a request; returns its id and the queue its reports arrive on."""
-        request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
-        reports: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._listeners[request_id] = (asyncio.get_running_loop(), reports)
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams,
+        *,
+        slot: int | None = None,
+        id_prefix: str = "cmpl",
+    ) -> Submission:
+        """Queue several prompts together (checked by the engine, all or none); returns their ids
+        (``{prefix}-{hex}``, with ``-{k}`` per prompt when there are several) and their report queue.
 
-        def add() -> str:
-            queued = sum(r.params.n for r in self.engine.waiting) - len(self.engine.free_seqs)
-            if queued + params.n > self.max_queue:
-                raise QueueFullError(
-                    f"all {self.engine.ctx.n_seq_max} slots are busy and {max(queued, 0)} requests wait"
-                )
-            return self.engine.add_request(prompt, params, request_id=request_id, slot=slot)
+        Raises :class:`QueueFullError` when the waiting sequences would exceed ``max_queue``, and the
+        engine's :class:`~rsmem.errors.InvalidRequestError` for an invalid request.
+        """
+        base = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
+        ids = (base,) if len(prompts) == 1 else tuple(f"{base}-{k}" for k in range(len(prompts)))
+        reports: asyncio.Queue[Report] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
 
-        try:
-            await self.call(add)
-        except BaseException:
-            self._listeners.pop(request_id, None)
-            raise
-        return request_id, reports
+        def add() -> None:
+            snap = self.engine.snapshot()
+            queued = snap.waiting_seqs - snap.free_slots
+            needed = params.n * len(prompts)
+            if queued + needed > self.max_queue:
+                raise QueueFullError(f"all {snap.n_slots} slots are busy and {max(queued, 0)} requests wait")
+            if len(prompts) == 1:  # add_requests would name it "prompt 0" in its errors
+                self.engine.add_request(prompts[0], params, ids[0], slot=slot)
+            else:
+                self.engine.add_requests(list(prompts), params, request_ids=ids, slot=slot)
+            for rid in ids:
+                self._listeners[rid] = (loop, reports)
 
-    async def abort(self, request_id: str) -> None:
-        self._listeners.pop(request_id, None)
-        await self.call(lambda: self.engine.abort(request_id))
+        await self.call(add)
+        return Submission(ids, reports)
 
-    def abort_nowait(self, request_id: str) -> None:
-        """Cancel from any thread or a finally block, without waiting (a client went away)."""
-        self._listeners.pop(request_id, None)
-        self._commands.put(lambda: self.engine.abort(request_id))
-        self._wake.set()
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self.call(lambda: self._abort(request_ids))
+
+    def abort_nowait(self, request_ids: Sequence[str]) -> None:
+        """Cancel from a ``finally`` block or another thread, without waiting (a client went away)."""
+        self.post(lambda: self._abort(request_ids))
+
+    def _abort(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._listeners.pop(rid, None)
+            self.engine.abort(rid)
+
+    async def abort_all(self) -> int:
+        """Abort every request in flight (graceful shutdown past its timeout); returns how many.
+
+        Their listeners get the final ``abort`` reports, so their clients still get an answer."""
+        return await self.call(self._abort_all)
 
 
-def _set_result(future: asyncio.Future, value: object) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
+def _settle(future: asyncio.Future[Any], exc: BaseException | None, result: object) -> None:
+    if future.done():
+        return
+    if exc is not None:
         future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -1,10 +1,18 @@
-"""Request bodies of the OpenAI-compatible endpoints (pydantic), with OpenAI's value ranges."""
+"""Request bodies of the OpenAI-compatible endpoints (pydantic): JSON types and OpenAI's documented
+ranges. What depends on the model or the server's limits (vocabulary, slots, prompt length,
+``max_tokens`` limit) is checked by the engine, once."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False  # a last chunk, before [DONE], with "choices": [] and the usage
 
 
 class _SamplingFields(BaseModel):
@@ -21,6 +29,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = None
     # llama.cpp server extensions
     top_k: int = Field(default=0, ge=0)
@@ -49,8 +58,11 @@ class _SamplingFields(BaseModel):
         return v
 
 
+PromptField = str | list[int] | list[str] | list[list[int]]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
+    prompt: PromptField
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     max_tokens: int | None = Field(default=16, ge=1)
@@ -58,7 +70,7 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: str | list[int] | list[str]) -> str | list[int] | list[str]:
+    def _prompt(cls, v: PromptField) -> PromptField:
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
         return v

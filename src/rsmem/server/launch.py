@@ -1,0 +1,252 @@
+"""Building and running the server: what ``rsmem serve`` calls.
+
+``run_server(llm, ServeOptions(...))`` binds the address first (a bad or busy address is one
+:class:`~rsmem.errors.RsmemError`, before any banner), then serves until SIGINT or SIGTERM. On the
+first signal it stops accepting connections, lets the requests in flight finish for up to
+``shutdown_timeout`` seconds, cancels what is left (its clients get their answers so far, with
+``finish_reason`` "abort"), writes one line, and returns 0. A second signal cancels at once; neither
+prints a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import FrameType
+from typing import TextIO
+
+import uvicorn
+from fastapi import FastAPI
+from uvicorn.config import LOG_LEVELS
+
+from rsmem.engine import LLM, Engine, default_model_path
+from rsmem.errors import RsmemError
+from rsmem.server.app import create_app
+from rsmem.server.chat import ChatTemplate, load_chat_template
+from rsmem.server.runner import EngineRunner
+from rsmem.server.state import AppState, ServerSettings
+
+
+@dataclass(slots=True)
+class ServeOptions:
+    """The ``rsmem serve`` flags (``parallel`` is the LLM's ``n_seq_max``: the caller builds the LLM)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    parallel: int = 8
+    api_key: str | None = None
+    slot_save_path: Path | None = None
+    max_queue: int = 64
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = 4096
+    max_tokens_limit: int | None = 4096
+    alias: str | None = None
+    no_prompt_cache: bool = False
+    log_level: str = "warning"
+    cors_origins: tuple[str, ...] = ()
+    shutdown_timeout: float = 5.0
+    model_path: Path | None = None  # the model file (names a request may use, chat template); None: embedded
+
+    @classmethod
+    def from_args(cls, args: object, **overrides: object) -> ServeOptions:
+        """From an argparse namespace (``args.cors_origin`` for the repeatable ``--cors-origin``,
+        ``args.model`` for the model path); attributes it lacks keep their defaults."""
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            if hasattr(args, f.name):
+                values[f.name] = getattr(args, f.name)
+        if getattr(args, "cors_origin", None):
+            values["cors_origins"] = tuple(args.cors_origin)  # type: ignore[attr-defined]
+        if getattr(args, "model", None):
+            values["model_path"] = Path(args.model)  # type: ignore[attr-defined]
+        values.update(overrides)
+        if values.get("slot_save_path") is not None:
+            values["slot_save_path"] = Path(str(values["slot_save_path"]))
+        return cls(**values)  # type: ignore[arg-type]
+
+    def check(self) -> None:
+        if self.log_level not in LOG_LEVELS:
+            raise RsmemError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+        if not 0 <= self.port <= 65535:
+            raise RsmemError(f"--port {self.port}: a port is 0 to 65535")
+        if self.shutdown_timeout < 0:
+            raise RsmemError(f"--shutdown-timeout {self.shutdown_timeout}: must be >= 0")
+
+
+@dataclass(slots=True)
+class ServerApp:
+    app: FastAPI
+    state: AppState
+
+    @property
+    def runner(self) -> EngineRunner:
+        return self.state.runner
+
+
+def build_app(llm: LLM, options: ServeOptions) -> ServerApp:
+    """The app over a new engine on ``llm``'s context, with the limits and names of ``options``."""
+    path = Path(options.model_path) if options.model_path is not None else default_model_path()
+    tok = llm.tokenizer
+    template = ChatTemplate(
+        load_chat_template(path) if path.exists() else None,
+        bos_token=tok.token_text(tok.bos_token_id) if tok and tok.bos_token_id is not None else "",
+        eos_token=tok.token_text(tok.eos_token_id) if tok and tok.eos_token_id is not None else "",
+    )
+    slot_dir = options.slot_save_path
+    if slot_dir is not None:
+        try:
+            slot_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RsmemError(f"--slot-save-path {slot_dir}: {exc.strerror}") from exc
+    engine = Engine(
+        llm.context,
+        tok,
+        prompt_cache=not options.no_prompt_cache,
+        max_prompt_tokens=options.max_prompt_tokens,
+        max_tokens_limit=options.max_tokens_limit,
+    )
+    settings = ServerSettings(
+        model_name=options.alias or path.stem,
+        model_aliases=frozenset({path.name, path.stem, str(path)}),
+        api_key=options.api_key,
+        slot_save_path=slot_dir,
+        max_body_bytes=options.max_body_bytes,
+        max_prompt_tokens=options.max_prompt_tokens,
+        max_tokens_limit=options.max_tokens_limit,
+        chat_template=template,
+        cors_origins=tuple(options.cors_origins),
+    )
+    runner = EngineRunner(engine, max_queue=options.max_queue)
+    app = create_app(runner, settings)
+    return ServerApp(app, app.state.rsmem)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not yet listening); RsmemError with one clear line if it cannot be."""
+    where = f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise RsmemError(f"cannot listen on {where}: unknown host {host!r}") from exc
+    except OverflowError as exc:
+        raise RsmemError(f"cannot listen on {where}: a port is 0 to 65535") from exc
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise RsmemError(f"cannot listen on {where}: {exc.strerror or exc}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass(slots=True)
+class _Shutdown:
+    """What a graceful shutdown did, for its one line."""
+
+    in_flight: int = 0
+    cancelled: int = 0
+    forced: bool = False
+    seconds: float = 0.0
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server with rsmem's shutdown: stop accepting, drain for ``timeout`` seconds, then
+    cancel; signals are handled by :func:`run_server` (and never re-raised)."""
+
+    def __init__(self, config: uvicorn.Config, state: AppState, timeout: float) -> None:
+        super().__init__(config)
+        self.state, self.timeout = state, timeout
+        self.report = _Shutdown()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # run_server installs its own handlers around the whole run
+
+    def on_signal(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.accepting = False
+        for server in getattr(self, "servers", []):
+            server.close()  # no new connections; the open ones may finish their requests
+        runner, t0 = self.state.runner, time.monotonic()
+        self.report.in_flight = runner.in_flight
+        while runner.in_flight and not self.force_exit and time.monotonic() - t0 < self.timeout:
+            await asyncio.sleep(0.02)
+        if runner.in_flight and runner.alive:
+            self.report.cancelled = await runner.abort_all()
+            deadline = time.monotonic() + 1.0  # let the handlers send what their clients get
+            while runner.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        self.report.forced = self.force_exit
+        self.report.seconds = time.monotonic() - t0
+        await super().shutdown(sockets)
+
+
+def run_server(llm: LLM, options: ServeOptions, *, out: TextIO | None = None) -> int:
+    """Serve until SIGINT/SIGTERM; 0 after a graceful shutdown. Raises RsmemError for a bad option or
+    an address that cannot be bound, before writing anything."""
+    out = out or sys.stderr
+    options.check()
+    sock = bind_socket(options.host, options.port)
+    try:
+        served = build_app(llm, options)
+        host, port = sock.getsockname()[:2]
+        note = " (chat template from the model)" if served.state.settings.chat_template.source else ""
+        out.write(
+            f"rsmem serve: {served.state.settings.model_name} on http://{_url_host(host)}:{port} "
+            f"with {llm.context.n_seq_max} slots{note}\n"
+        )
+        out.flush()
+        config = uvicorn.Config(
+            served.app, log_level=options.log_level, lifespan="on", timeout_graceful_shutdown=2
+        )
+        server = _GracefulServer(config, served.state, options.shutdown_timeout)
+        with _signals(server):
+            server.run(sockets=[sock])
+            served.runner.stop()
+            out.write(_summary(server.report) + "\n")
+            out.flush()
+    finally:
+        sock.close()
+    return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _summary(r: _Shutdown) -> str:
+    if not r.in_flight:
+        return "rsmem serve: stopped (no requests in flight)"
+    done = r.in_flight - r.cancelled
+    how = "at a second signal" if r.forced else f"after {r.seconds:.1f} s"
+    return f"rsmem serve: stopped: {done} request(s) in flight finished, {r.cancelled} cancelled {how}"
+
+
+@contextlib.contextmanager
+def _signals(server: _GracefulServer) -> Iterator[None]:
+    """SIGINT/SIGTERM ask ``server`` to shut down (a second one: at once) for the whole run, cleanup
+    included, so no signal ends in a KeyboardInterrupt traceback. Only the main thread has signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, server.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,180 @@
+"""OpenAI's response shapes: choices, log-probabilities, usage, and the chunks of a stream."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rsmem.engine import CompletionOutput, FinishReason, RequestOutput, TokenLogprobs
+from rsmem.server.errors import SERVER, ApiError, failed_generation
+from rsmem.server.runner import Report, StepFailure
+
+TokenText = Callable[[int], str]
+Json = dict[str, Any]
+
+
+def failure_of(report: Report) -> ApiError | None:
+    """The error answer for a report that failed (a completion finished with "error", or the engine
+    step raised); None for a report that did not."""
+    if isinstance(report, StepFailure):
+        return ApiError(500, report.message, kind=SERVER, code="engine_failure")
+    for c in report.outputs:
+        if c.finish_reason is FinishReason.ERROR:
+            message = c.error or report.error or "the generation failed"
+            return failed_generation(message, report.error_kind)
+    return None
+
+
+def finish_reason(c: CompletionOutput) -> str | None:
+    return c.finish_reason.value if c.finish_reason is not None else None
+
+
+def new_logprobs(c: CompletionOutput) -> tuple[TokenLogprobs, ...] | None:
+    """The log-probs of this report's new tokens (``logprobs`` aligns with ``token_ids``)."""
+    if c.logprobs is None:
+        return None
+    return c.logprobs[len(c.token_ids) - len(c.delta_token_ids) :]
+
+
+def completion_logprobs(
+    lps: Sequence[TokenLogprobs] | None, token_text: TokenText, offset: int = 0
+) -> Json | None:
+    """The completions endpoint's format; ``text_offset`` counts from ``offset``."""
+    if lps is None:
+        return None
+    offsets, tokens = [], []
+    for lp in lps:
+        offsets.append(offset)
+        tokens.append(token_text(lp.token))
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{token_text(t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(lps: Sequence[TokenLogprobs] | None, token_text: TokenText) -> Json | None:
+    """The chat endpoint's format: ``{"content": [{token, logprob, bytes, top_logprobs}, ...]}``."""
+    if lps is None:
+        return None
+
+    def entry(token: int, logprob: float) -> Json:
+        s = token_text(token)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+    return {
+        "content": [
+            entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
+        ]
+    }
+
+
+def usage(outs: Sequence[RequestOutput]) -> Json:
+    """Token counts of a response; ``cached_tokens`` are prompt tokens the prompt cache served."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
+    }
+
+
+@dataclass(slots=True)
+class Envelope:
+    """What every response of one HTTP request shares: its id, time, model, and the choice numbering
+    (prompt ``k``'s completion ``i`` is choice ``k * n + i``)."""
+
+    id: str
+    created: int
+    model: str
+    request_ids: tuple[str, ...]
+    n: int
+
+    def index(self, request_id: str, c: CompletionOutput) -> int:
+        return self.request_ids.index(request_id) * self.n + c.index
+
+    def wrap(self, obj: str, choices: list[Json], **extra: Any) -> Json:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        } | extra
+
+
+@dataclass(slots=True)
+class CompletionChunks:
+    """``text_completion`` chunks: one per choice with new text, tokens (when log-probs are asked) or
+    a finish reason."""
+
+    env: Envelope
+    token_text: TokenText
+    with_usage: bool = False
+    offsets: dict[int, int] = field(default_factory=dict)  # choice -> text_offset of its next token
+
+    def chunks(self, out: RequestOutput) -> list[Json]:
+        result = []
+        for c in out.outputs:
+            lps = new_logprobs(c)
+            if not (c.delta_text or c.finish_reason is not None or lps):
+                continue
+            index = self.env.index(out.request_id, c)
+            logprobs = completion_logprobs(lps, self.token_text, self.offsets.get(index, 0))
+            if logprobs is not None and logprobs["text_offset"]:
+                self.offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            choice = {
+                "index": index,
+                "text": c.delta_text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(c),
+            }
+            result.append(self.env.wrap("text_completion", [choice], **self._usage_field()))
+        return result
+
+    def usage_chunk(self, outs: Sequence[RequestOutput]) -> Json:
+        return self.env.wrap("text_completion", [], usage=usage(outs))
+
+    def _usage_field(self) -> Json:
+        return {"usage": None} if self.with_usage else {}
+
+
+@dataclass(slots=True)
+class ChatChunks:
+    """``chat.completion.chunk`` chunks: the first of each choice carries ``role``."""
+
+    env: Envelope
+    token_text: TokenText
+    with_usage: bool = False
+    started: set[int] = field(default_factory=set)
+
+    def chunks(self, out: RequestOutput) -> list[Json]:
+        result = []
+        for c in out.outputs:
+            lps = new_logprobs(c)
+            if not (c.delta_text or c.finish_reason is not None or lps):
+                continue
+            index = self.env.index(out.request_id, c)
+            delta: Json = {}
+            if index not in self.started:
+                self.started.add(index)
+                delta["role"] = "assistant"
+            if c.delta_text:
+                delta["content"] = c.delta_text
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": chat_logprobs(lps, self.token_text),
+                "finish_reason": finish_reason(c),
+            }
+            extra = {"usage": None} if self.with_usage else {}
+            result.append(self.env.wrap("chat.completion.chunk", [choice], **extra))
+        return result
+
+    def usage_chunk(self, outs: Sequence[RequestOutput]) -> Json:
+        return self.env.wrap("chat.completion.chunk", [], usage=usage(outs))

@@ -1,0 +1,141 @@
+"""OpenAI's endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rsmem.engine import RequestOutput, SamplingParams
+from rsmem.errors import InvalidRequestError
+from rsmem.server.errors import SERVER, ApiError, invalid_request
+from rsmem.server.params import Prompt, check_model, completion_prompts, sampling_params, slot_of
+from rsmem.server.responses import (
+    ChatChunks,
+    CompletionChunks,
+    Envelope,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    usage,
+)
+from rsmem.server.runner import EngineStoppedError, QueueFullError, Submission
+from rsmem.server.schemas import ChatRequest, CompletionRequest
+from rsmem.server.state import AppState, app_state
+from rsmem.server.streaming import collect, stream_events
+
+router = APIRouter()
+
+
+async def submit(
+    state: AppState, prompts: list[Prompt], params: SamplingParams, slot: int | None, id_prefix: str
+) -> Submission:
+    """Hand the prompts to the engine together (all or none); its refusals become 400/503 answers."""
+    try:
+        return await state.runner.submit(prompts, params, slot=slot, id_prefix=id_prefix)
+    except QueueFullError as exc:
+        raise ApiError(
+            503,
+            f"server busy: {exc}; retry later",
+            kind=SERVER,
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        ) from exc
+    except InvalidRequestError as exc:
+        raise invalid_request(exc) from exc
+    except EngineStoppedError as exc:
+        raise ApiError(503, str(exc), kind=SERVER, code="engine_stopped") from exc
+
+
+def event_stream(
+    state: AppState, sub: Submission, fmt: CompletionChunks | ChatChunks, usage_: bool
+) -> Response:
+    events = stream_events(state.runner, sub, fmt, include_usage=usage_)
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def include_usage(body: CompletionRequest | ChatRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    model = {
+        "id": state.settings.model_name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "rsmem",
+    }
+    return {"object": "list", "data": [model]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = app_state(request)
+    check_model(body, state.settings)
+    prompts = completion_prompts(body)
+    params = sampling_params(body, body.max_tokens)
+    sub = await submit(state, prompts, params, slot_of(body), "cmpl")
+    env = Envelope(sub.request_ids[0], int(time.time()), state.settings.model_name, sub.request_ids, body.n)
+    if body.stream:
+        fmt = CompletionChunks(env, state.token_text, include_usage(body))
+        return event_stream(state, sub, fmt, include_usage(body))
+    outs = await collect(request, state.runner, sub)
+    choices = []
+    for prompt, out in zip(prompts, outs, strict=True):
+        echo = echo_text(state, prompt) if body.echo else ""
+        for c in out.outputs:
+            choice = {
+                "index": env.index(out.request_id, c),
+                "text": echo + c.text,
+                "logprobs": completion_logprobs(c.logprobs, state.token_text),
+                "finish_reason": finish_reason(c),
+            }
+            if body.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
+    return JSONResponse(env.wrap("text_completion", choices, usage=usage(outs)))
+
+
+def echo_text(state: AppState, prompt: Prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return state.tokenizer.decode(prompt) if state.tokenizer is not None else ""
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    state = app_state(request)
+    check_model(body, state.settings)
+    template = state.settings.chat_template
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+    ]
+    try:
+        prompt = template.render(messages)
+    except Exception as exc:  # a model's own Jinja template may refuse a conversation
+        raise ApiError(400, f"the chat template failed: {exc}", param="messages") from exc
+    max_tokens = body.max_completion_tokens or body.max_tokens or state.settings.chat_max_tokens
+    params = sampling_params(body, max_tokens, template.stop)
+    sub = await submit(state, [prompt], params, slot_of(body), "chatcmpl")
+    env = Envelope(sub.request_ids[0], int(time.time()), state.settings.model_name, sub.request_ids, body.n)
+    if body.stream:
+        fmt = ChatChunks(env, state.token_text, include_usage(body))
+        return event_stream(state, sub, fmt, include_usage(body))
+    outs = await collect(request, state.runner, sub)
+    return JSONResponse(env.wrap("chat.completion", chat_choices(state, outs[0]), usage=usage(outs)))
+
+
+def chat_choices(state: AppState, out: RequestOutput) -> list[dict[str, Any]]:
+    return [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(c.logprobs, state.token_text),
+            "finish_reason": finish_reason(c),
+        }
+        for c in out.outputs
+    ]
