@@ -87,7 +87,8 @@ def start_server(llm: LLM, **options) -> Iterator[LiveServer]:
             raise RuntimeError("server did not start")
         time.sleep(0.02)
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", served.runner.engine, served.runner, served.state.settings)
+        url = f"http://127.0.0.1:{port}"
+        yield LiveServer(url, served.runner.engine, served.runner, served.state.settings)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

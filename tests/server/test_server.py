@@ -19,9 +19,7 @@ def client(live: LiveServer) -> openai.OpenAI:
 
 
 def greedy_text(client: openai.OpenAI, prompt: str, max_tokens: int = 12, **kw) -> str:
-    r = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, **kw
-    )
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, **kw)
     return r.choices[0].text
 
 
@@ -67,9 +65,7 @@ def test_chat(client):
 def test_streaming_completion_equals_non_streaming(client):
     want = greedy_text(client, PROMPT, 16)
     chunks = list(
-        client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True
-        )
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True)
     )
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason is not None
@@ -174,7 +170,8 @@ def test_bad_requests_get_400_with_a_clear_message(live, client):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt=PROMPT, temperature=3.5)
-    with pytest.raises(openai.BadRequestError, match=r"max_tokens 100 exceeds the limit of 64 \(--max-tokens-limit\)"):
+    limit = r"max_tokens 100 exceeds the limit of 64 \(--max-tokens-limit\)"
+    with pytest.raises(openai.BadRequestError, match=limit):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100)
     with pytest.raises(openai.BadRequestError, match=r"more than the limit of 200 \(--max-prompt-tokens\)"):
         client.completions.create(model=MODEL, prompt=" word" * 300, max_tokens=4)
