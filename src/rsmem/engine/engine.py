@@ -21,19 +21,16 @@ engine stays usable after any failure; ``snapshot().health`` says whether failur
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from rsmem.batch.batch import Batch
 from rsmem.context import Context
 from rsmem.engine.kept import KeptSequences
 from rsmem.engine.pool import SequencePool
-from rsmem.engine.reports import report
+from rsmem.engine.reports import cut_at_stop, report
 from rsmem.engine.request import (
     Completion,
     ErrorKind,
@@ -43,23 +40,14 @@ from rsmem.engine.request import (
     RequestOutput,
     Session,
 )
-from rsmem.engine.sampling import Sampler, SamplingParams, make_generator
+from rsmem.engine.sampling import Sampler, SamplingParams
+from rsmem.engine.scheduler import Planned, build_batch, plan_replay, plan_step
 from rsmem.engine.status import EngineSnapshot, EngineStats, Health, SlotInfo
-from rsmem.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
-from rsmem.engine.validation import RequestLimits, check_params, check_placement, check_prompt
+from rsmem.engine.tokenizer import TextTokenizer
+from rsmem.engine.validation import RequestBuilder, RequestLimits
 from rsmem.errors import InvalidRequestError
 
 Prompt = str | Sequence[int]
-
-
-@dataclass(slots=True)
-class _Planned:
-    """One request's part of a planned batch: a decode token of ``completion``, or a prompt chunk."""
-
-    req: Request
-    completion: Completion | None  # None: a chunk of the prompt
-    n_tokens: int
-    output: bool  # this part's last token produces a logits row
 
 
 class Engine:
@@ -93,7 +81,7 @@ class Engine:
         self.stats = EngineStats()
         self.health = Health()
         self.kept = KeptSequences(context, self.pool)
-        self._ids = itertools.count()
+        self.builder = RequestBuilder(self.limits, tokenizer)
 
     @property
     def prompt_cache(self) -> bool:
@@ -158,30 +146,16 @@ class Engine:
         slot: int | None,
         taken: set[str],
     ) -> Request:
-        """A checked request, not yet queued (nothing changes here)."""
-        check_params(params, self.limits)
         held = {s for s in range(self.ctx.n_seq_max) if self.pool.session_of(s) is not None}
-        check_placement(params, self.limits, session=session, slot=slot, held=held)
-        prompt_text = prompt if isinstance(prompt, str) else None
-        tokens = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if session is not None:
-            tokens = session.pending + tokens
-        check_prompt(tokens, self.limits)
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self.requests or request_id in taken:
-                request_id = f"req-{next(self._ids)}"
-        elif request_id in self.requests or request_id in taken:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        completions = [
-            Completion(
-                index=i,
-                generator=make_generator(None if params.seed is None else params.seed + i),
-                detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
-            )
-            for i in range(params.n)
-        ]
-        return Request(request_id, tokens, params, completions, prompt_text, session=session, slot=slot)
+        return self.builder.build(
+            prompt,
+            params,
+            request_id,
+            session=session,
+            slot=slot,
+            held=held,
+            in_use=lambda rid: rid in self.requests or rid in taken,
+        )
 
     def _queue(self, req: Request) -> None:
         if req.session is not None:
@@ -189,14 +163,6 @@ class Engine:
             req.session.pending = []
         self.requests[req.request_id] = req
         self.waiting.append(req)
-
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise InvalidRequestError("prompt", "is text, but this model has no tokenizer: pass token ids")
-        tokens = self.tokenizer.encode(text)
-        if self.tokenizer.bos_token_id is not None and not tokens:
-            tokens = [self.tokenizer.bos_token_id]
-        return tokens
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its sequences now; False if it is unknown or already finished."""
@@ -230,10 +196,10 @@ class Engine:
         for ``KeyboardInterrupt`` and the like, after failing the interrupted batch's requests.
         """
         self._admit()
-        plan = self._plan()
+        plan = plan_step(self.running, self.max_batch_tokens)
         touched: dict[str, Request] = {}
         if plan:
-            batch = self._batch(plan)
+            batch = build_batch(plan)
             t0 = time.perf_counter()
             try:
                 self.ctx.decode(batch)  # on failure it has cleared the batch's sequences
@@ -281,65 +247,7 @@ class Engine:
             req.phase = Phase.PREFILL
             self.running.append(req)
 
-    def _plan(self) -> list[_Planned]:
-        """What the next batch holds, in batch order: decode tokens first, then replays and prompt chunks
-        from what is left of the budget. A suspect request (see ``_fail_batch``) runs alone. Changes
-        nothing."""
-        running = self.running
-        suspect = next((r for r in running if r.suspect), None)
-        if suspect is not None:
-            running = [suspect]
-        plan = [
-            _Planned(req, c, 1, True)
-            for req in running
-            if req.phase is Phase.DECODE
-            for c in req.completions
-            if not c.finished and not c.replay
-        ]
-        budget = self.max_batch_tokens - len(plan)
-        for req in running:
-            if budget <= 0:
-                break
-            if req.phase is Phase.DECODE:
-                for c in req.completions:
-                    if c.replay and not c.finished and budget > 0:
-                        n = min(budget, len(c.replay))
-                        budget -= n
-                        plan.append(_Planned(req, c, n, False))
-                continue
-            c0 = req.completions[0]
-            if c0.replay:
-                n = min(budget, len(c0.replay))
-                budget -= n
-                plan.append(_Planned(req, c0, n, False))
-                continue
-            n = min(budget, len(req.prompt_tokens) - req.n_prefilled)
-            budget -= n
-            plan.append(_Planned(req, None, n, req.n_prefilled + n == len(req.prompt_tokens)))
-        return plan
-
-    @staticmethod
-    def _batch(plan: list[_Planned]) -> Batch:
-        tokens: list[int] = []
-        seq_ids: list[list[int]] = []
-        logits: list[bool] = []
-        for part in plan:
-            c = part.completion
-            if c is None:
-                start = part.req.n_prefilled
-                tokens.extend(part.req.prompt_tokens[start : start + part.n_tokens])
-                seq = part.req.prefill_seq
-            elif c.replay:
-                tokens.extend(c.replay[: part.n_tokens])
-                seq = c.seq_id
-            else:
-                tokens.append(c.tokens[-1])
-                seq = c.seq_id
-            seq_ids.extend([seq] for _ in range(part.n_tokens))
-            logits.extend([False] * (part.n_tokens - 1) + [part.output])
-        return Batch(tokens, seq_ids=seq_ids, logits=logits)
-
-    def _commit(self, plan: list[_Planned]) -> None:
+    def _commit(self, plan: list[Planned]) -> None:
         """The decode succeeded: prompts and replays advance, finished prompts fork into their other
         completions, and a suspect that produced output is trusted again."""
         for part in plan:
@@ -357,7 +265,7 @@ class Engine:
                     self.ctx.memory.seq_cp(req.prefill_seq, other.seq_id)
                 req.phase = Phase.DECODE
 
-    def _sample(self, plan: list[_Planned], touched: dict[str, Request]) -> None:
+    def _sample(self, plan: list[Planned], touched: dict[str, Request]) -> None:
         """Sample every output row (one vectorised call); a request whose rows fail fails alone."""
         rows: list[int] = []
         targets: list[tuple[Request, Completion]] = []
@@ -423,25 +331,11 @@ class Engine:
         if c.detok is not None:
             delta = c.detok.push(token)
             c.text += delta
-            if req.params.stop and self._cut_at_stop(c, req.params.stop, len(delta)):
+            if req.params.stop and cut_at_stop(c, req.params.stop, len(delta)):
                 self._finish(req, c, FinishReason.STOP, flush=False)
                 return
         if req.params.max_tokens is not None and len(c.tokens) >= req.params.max_tokens:
             self._finish(req, c, FinishReason.LENGTH)
-
-    @staticmethod
-    def _cut_at_stop(c: Completion, stops: tuple[str, ...], n_new: int) -> bool:
-        """Cut the text at the first stop string that the newest text completes; True if one did.
-
-        Reports hold back any tail that could still grow into a stop string, so the cut never removes
-        text a client has already seen.
-        """
-        start = max(0, len(c.text) - n_new - max(map(len, stops)) + 1)
-        hits = [i for s in stops if (i := c.text.find(s, start)) >= 0]
-        if not hits:
-            return False
-        c.text = c.text[: min(hits)]
-        return True
 
     def _finish(self, req: Request, c: Completion, reason: FinishReason, *, flush: bool = True) -> None:
         if flush and c.detok is not None:
@@ -451,7 +345,7 @@ class Engine:
 
     # ------------------------------------------------------------ failures
 
-    def _fail_batch(self, plan: list[_Planned], exc: BaseException) -> None:
+    def _fail_batch(self, plan: list[Planned], exc: BaseException) -> None:
         """The decode raised, and has cleared the states of the batch's sequences.
 
         A batch of one request, or a suspect's batch, fails that request. A batch of several does not
@@ -473,18 +367,7 @@ class Engine:
             return
         for req in reqs:
             req.suspect = True
-            self._rebuild(req)
-
-    def _rebuild(self, req: Request) -> None:
-        """Plan the replay of what ``req``'s sequences held (their states were cleared)."""
-        base = list(req.session.tokens) if req.session is not None else []
-        if req.phase is Phase.PREFILL:
-            req.completions[0].replay = base
-            req.n_prefilled = 0
-            return
-        for c in req.completions:
-            if not c.finished:
-                c.replay = base + req.prompt_tokens + c.tokens[:-1]
+            plan_replay(req)
 
     def _fail(
         self,

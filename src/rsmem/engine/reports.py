@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rsmem.engine.request import CompletionOutput, Request, RequestOutput
+from rsmem.engine.request import Completion, CompletionOutput, Request, RequestOutput
 
 
 def report(req: Request) -> RequestOutput:
@@ -52,3 +52,17 @@ def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
                 best = k
                 break
     return best
+
+
+def cut_at_stop(c: Completion, stops: tuple[str, ...], n_new: int) -> bool:
+    """Cut the text at the first stop string that the newest text completes; True if one did.
+
+    Reports hold back any tail that could still grow into a stop string, so the cut never removes
+    text a client has already seen.
+    """
+    start = max(0, len(c.text) - n_new - max(map(len, stops)) + 1)
+    hits = [i for s in stops if (i := c.text.find(s, start)) >= 0]
+    if not hits:
+        return False
+    c.text = c.text[: min(hits)]
+    return True

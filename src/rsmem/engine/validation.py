@@ -7,10 +7,13 @@ a server sets. Each refusal is an :class:`~rsmem.errors.InvalidRequestError` nam
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rsmem.engine.request import Session
-from rsmem.engine.sampling import SamplingParams
+from rsmem.engine.request import Completion, Request, Session
+from rsmem.engine.sampling import SamplingParams, make_generator
+from rsmem.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 from rsmem.errors import InvalidRequestError
 
 
@@ -79,3 +82,54 @@ def check_placement(
             raise InvalidRequestError("slot", f"{slot!r} does not exist: slots are 0 to {last}")
         if slot in held:
             raise InvalidRequestError("slot", f"{slot} is held by a session")
+
+
+class RequestBuilder:
+    """Turns a prompt and its parameters into a checked :class:`Request` (nothing is queued here)."""
+
+    def __init__(self, limits: RequestLimits, tokenizer: TextTokenizer | None) -> None:
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self._ids = itertools.count()
+
+    def build(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None,
+        *,
+        session: Session | None,
+        slot: int | None,
+        held: set[int],
+        in_use: Callable[[str], bool],
+    ) -> Request:
+        check_params(params, self.limits)
+        check_placement(params, self.limits, session=session, slot=slot, held=held)
+        prompt_text = prompt if isinstance(prompt, str) else None
+        tokens = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if session is not None:
+            tokens = session.pending + tokens
+        check_prompt(tokens, self.limits)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while in_use(request_id):
+                request_id = f"req-{next(self._ids)}"
+        elif in_use(request_id):
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        completions = [
+            Completion(
+                index=i,
+                generator=make_generator(None if params.seed is None else params.seed + i),
+                detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
+            )
+            for i in range(params.n)
+        ]
+        return Request(request_id, tokens, params, completions, prompt_text, session=session, slot=slot)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", "is text, but this model has no tokenizer: pass token ids")
+        tokens = self.tokenizer.encode(text)
+        if self.tokenizer.bos_token_id is not None and not tokens:
+            tokens = [self.tokenizer.bos_token_id]
+        return tokens
