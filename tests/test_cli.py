@@ -50,7 +50,7 @@ def test_generate_is_reproducible_with_a_seed_and_reads_stdin():
 def test_generate_parallel_prompts_from_file(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("ROMEO:\nJULIET:\n\nHAMLET:\n")
-    r = rsmem("generate", "-f", str(prompts), "--parallel", "3", "-n", "8", "--temp", "0")
+    r = rsmem("generate", "--prompts-file", str(prompts), "--parallel", "3", "-n", "8", "--temp", "0")
     assert r.returncode == 0, r.stderr
     assert [line for line in r.stdout.splitlines() if line.startswith("--- prompt")] == [
         "--- prompt 1 ---",
@@ -96,7 +96,7 @@ def test_generate_accepts_compile_off():
     ("args", "message"),
     [
         (("generate", "hi", "-m", "/no/such/model.gguf"), "model not found"),
-        (("generate", "hi", "--temp", "-1"), "temperature"),
+        (("generate", "hi", "--temp", "-1"), "--temp must be"),
         (("generate", "hi", "--parallel", "0"), "--parallel must be at least 1"),
         (("generate", "hi", "--load-state", "/no/such/state.ggsq"), "No such file"),
         (("info", "/no/such/model.gguf"), "model not found"),

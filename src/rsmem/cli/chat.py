@@ -1,0 +1,77 @@
+"""``rsmem chat``: every line typed continues one carried state (a session).
+
+Ctrl-C during a reply stops that reply (the request is aborted, what it wrote stays in the state) and
+returns to the prompt; Ctrl-C at the prompt, or the end of input, saves ``--save-state`` and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from rsmem.cli.inputs import LineReader, check_input_file, check_output_path, stdin_bytes
+from rsmem.cli.model import add_model_options, load
+from rsmem.cli.run import Interrupt, report_speed, save_state, stream_request, write_out
+from rsmem.cli.sampling import add_sampling_options, check_sampling_args, sampling_params
+
+if TYPE_CHECKING:
+    from rsmem.engine import Engine, SamplingParams, Session
+
+DEFAULT_STOP = ("\n\n",)  # a reply ends at a blank line unless --stop says otherwise
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    chat = sub.add_parser("chat", help="interactive: every line continues one carried state")
+    add_model_options(chat)
+    add_sampling_options(chat)
+    chat.add_argument("--save-state", metavar="FILE", help="save the conversation when you quit")
+    chat.add_argument("--load-state", metavar="FILE", help="resume a saved conversation")
+    chat.set_defaults(func=cmd_chat, check=lambda args: check_sampling_args(args, chat))
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    if args.save_state:
+        check_output_path("--save-state", args.save_state)
+    if args.load_state:
+        check_input_file("--load-state", args.load_state)
+    params = sampling_params(args, default_stop=DEFAULT_STOP)
+    llm = load(args, n_seq_max=1)
+    engine = llm.engine
+    session = engine.open_session(args.load_state) if args.load_state else engine.open_session()
+    interactive = sys.stdin.isatty()
+    lines = LineReader(stdin_bytes())
+    if interactive:
+        sys.stderr.write(
+            "rsmem chat: type a line, Enter to send; Ctrl-C stops a reply; Ctrl-C at the prompt or "
+            "Ctrl-D quits\n"
+        )
+    started = time.perf_counter()
+    try:
+        while (line := _next_line(lines, interactive)) is not None:
+            _reply(engine, session, line, params)
+    except KeyboardInterrupt:  # at the prompt (during a reply Ctrl-C only stops the reply)
+        sys.stderr.write("\n")
+    if args.save_state:
+        save_state(engine, session, args.save_state)
+        sys.stderr.write(f"[saved the conversation ({len(session.tokens)} tokens) to {args.save_state}]\n")
+    report_speed(engine, started)
+    return 0
+
+
+def _next_line(lines: LineReader, interactive: bool) -> str | None:
+    if interactive:
+        sys.stderr.write("> ")
+        sys.stderr.flush()
+    return lines.readline()
+
+
+def _reply(engine: Engine, session: Session, line: str, params: SamplingParams) -> None:
+    """Generate the reply to one line; Ctrl-C stops it and leaves the session ready for the next."""
+    with Interrupt() as stop:
+        rid = engine.add_request(line.rstrip("\n") + "\n", params, session=session)
+        streamed = stream_request(engine, rid, write_out, stop)
+    write_out("\n")
+    if streamed.interrupted:
+        sys.stderr.write("[interrupted]\n")

@@ -1,0 +1,55 @@
+"""Model options and loading, shared by the commands that run a model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from rsmem.errors import RsmemError
+
+if TYPE_CHECKING:
+    from rsmem.engine import LLM
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="GGUF file or Hugging Face folder (default: the embedded model)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--bf16", action="store_true", help="keep weight matrices in bfloat16")
+    p.add_argument(
+        "--compile",
+        choices=["auto", "1", "0"],
+        default=None,
+        help="decode steps through torch.compile: auto (models of 16M+ matrix weights), 1 or 0 "
+        "(default: $RSMEM_COMPILE, else auto)",
+    )
+
+
+def model_path(model: str | None) -> Path:
+    """The model named on the command line, or the embedded one; it must exist."""
+    from rsmem.engine import default_model_path
+
+    path = Path(model) if model else default_model_path()
+    if not path.exists():
+        raise RsmemError(f"model not found: {path}")
+    return path
+
+
+def load(args: argparse.Namespace, n_seq_max: int) -> LLM:
+    """The model of ``-m`` with a context of ``n_seq_max`` sequences; compiled now if it compiles."""
+    from rsmem.engine import LLM
+
+    path = model_path(args.model)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    llm = LLM(
+        path, n_seq_max=n_seq_max, n_batch=512, dtype=dtype, n_threads=args.threads, compile=args.compile
+    )
+    if llm.tokenizer is None:
+        raise RsmemError(f"{path} has no tokenizer: text generation needs one")
+    if getattr(llm.model, "compile_decode", False):  # say so, and pay it now rather than mid-generation
+        sys.stderr.write("[compiling decode steps (torch.compile; cached for later runs)...]\n")
+        sys.stderr.write(f"[compiled in {llm.model.warm_up():.1f} s]\n")
+    return llm

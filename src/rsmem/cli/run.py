@@ -1,0 +1,158 @@
+"""Driving the engine from a terminal: streaming one request, Ctrl-C, progress and speed lines.
+
+Ctrl-C never interrupts an engine step. While a request streams, SIGINT only sets a flag
+(:class:`Interrupt`) that the step loop reads between steps; the request is then aborted through
+``engine.abort``, which leaves the engine (and a session's state) consistent, so it can be saved.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, TextIO
+
+from rsmem.errors import RsmemError
+
+if TYPE_CHECKING:
+    from rsmem.engine import Engine, RequestOutput, Session
+
+PROGRESS_MIN_TOKENS = 256  # show prefill progress for prompts at least this long
+
+
+class Progress:
+    """One self-overwriting status line on stderr (only when stderr is a terminal, or forced)."""
+
+    def __init__(self, stream: TextIO | None = None, enabled: bool | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self._shown = False
+
+    def update(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write(f"\r\033[K{text}")
+            self.stream.flush()
+            self._shown = True
+
+    def done(self) -> None:
+        if self._shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self._shown = False
+
+
+def report_speed(engine: Engine, started: float) -> None:
+    """The statistics line on stderr: prompt and generated tokens, tokens per second."""
+    s = engine.stats
+    wall = time.perf_counter() - started
+    sys.stderr.write(
+        f"[{s.prompt_tokens} prompt tokens, {s.generated_tokens} generated in {wall:.2f}s: "
+        f"{s.generated_tokens / wall if wall else 0:.1f} tok/s generated, "
+        f"{(s.prompt_tokens + s.generated_tokens) / wall if wall else 0:.1f} tok/s total]\n"
+    )
+
+
+class Interrupt:
+    """Within ``with Interrupt() as stop:``, Ctrl-C sets ``stop.requested`` instead of raising.
+
+    With ``second_raises``, a second Ctrl-C before the first was handled raises ``KeyboardInterrupt``
+    (a way out if something hangs). Outside the main thread signals cannot be caught: it does nothing.
+    """
+
+    def __init__(self, *, second_raises: bool = False) -> None:
+        self.requested = False
+        self.second_raises = second_raises
+        self._previous: Callable[[int, FrameType | None], object] | int | None = None
+        self._installed = False
+
+    def __enter__(self) -> Interrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested and self.second_raises:
+            raise KeyboardInterrupt
+        self.requested = True
+
+
+@dataclass(slots=True)
+class Streamed:
+    """How a streamed request ended: its last report (None if none came) and whether Ctrl-C cut it."""
+
+    last: RequestOutput | None
+    interrupted: bool
+
+
+def stream_request(
+    engine: Engine,
+    request_id: str,
+    on_text: Callable[[str], None],
+    interrupt: Interrupt,
+    progress: Progress | None = None,
+) -> Streamed:
+    """Step the engine until ``request_id`` finishes, passing its new text to ``on_text``; show prefill
+    progress for long prompts. On Ctrl-C (``interrupt.requested``) the request is aborted.
+
+    A request the engine failed raises :class:`RsmemError` with the engine's message.
+    """
+    progress = progress or Progress()
+    last: RequestOutput | None = None
+    try:
+        while not interrupt.requested:
+            _show_prefill(engine, request_id, progress)
+            for out in engine.step():
+                if out.request_id != request_id:
+                    continue
+                progress.done()
+                on_text(out.outputs[0].delta_text)
+                last = out
+            if last is not None and last.finished:
+                _raise_if_failed(last)
+                return Streamed(last, interrupted=False)
+            if not engine.has_unfinished:
+                raise RsmemError(f"request {request_id} ended without a final report")
+    finally:
+        progress.done()
+    engine.abort(request_id)
+    return Streamed(last, interrupted=True)
+
+
+def _show_prefill(engine: Engine, request_id: str, progress: Progress) -> None:
+    done_total = engine.request_progress(request_id)
+    if done_total is not None:
+        done, total = done_total
+        if total >= PROGRESS_MIN_TOKENS and done < total:
+            progress.update(f"prefill {done}/{total} tokens")
+
+
+def _raise_if_failed(out: RequestOutput) -> None:
+    if out.outputs[0].finish_reason == "error":
+        raise RsmemError(f"generation failed: {out.error or out.outputs[0].error or 'unknown error'}")
+
+
+def save_state(engine: Engine, session: Session, path: str) -> int:
+    """``engine.save_session`` for ``--save-state``; a write error names the flag and the path as typed
+    (never the temporary file the atomic write goes through)."""
+    try:
+        return engine.save_session(session, path)
+    except OSError as exc:
+        raise RsmemError(f"--save-state {path}: {exc.strerror or exc}") from None
+
+
+def write_out(text: str) -> None:
+    """Stream generated text to stdout now."""
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -1,0 +1,171 @@
+"""``rsmem info``, ``convert``, ``bench`` and ``demo``: the commands that do not generate text."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rsmem.cli.inputs import check_output_path
+from rsmem.cli.model import model_path
+from rsmem.cli.run import Progress
+from rsmem.errors import RsmemError
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    info = sub.add_parser("info", help="architecture, sizes and state bytes of a model")
+    info.add_argument("model", nargs="?", help="GGUF file or HF folder (default: the embedded model)")
+    info.set_defaults(func=cmd_info)
+
+    conv = sub.add_parser("convert", help="convert a Hugging Face Mamba/Mamba-2 folder to GGUF")
+    conv.add_argument("hf_dir")
+    conv.add_argument("out")
+    conv.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16")
+    conv.set_defaults(func=cmd_convert)
+
+    bench = sub.add_parser("bench", help="tokens per second: default model and 130M configs")
+    bench.add_argument("-m", "--model", help="model to measure (default: the embedded model)")
+    bench.add_argument("-t", "--threads", type=int, default=2)
+    bench.add_argument("--prompt-tokens", type=int, default=512)
+    bench.add_argument("--parallel", type=int, nargs="+", default=[1, 8])
+    bench.add_argument("--steps", type=int, default=16)
+    bench.add_argument("--skip-130m", action="store_true", help="only the default (or -m) model")
+    bench.set_defaults(func=cmd_bench)
+
+    demo = sub.add_parser("demo", help="walk through the recurrent memory on a toy model")
+    demo.add_argument("--parallel", type=int, default=4, help="number of sequences (default 4)")
+    demo.set_defaults(func=cmd_demo)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from rsmem.engine import load_text_model
+
+    path = model_path(args.model)
+    model, tokenizer = load_text_model(path)
+    cfg = model.config
+    tensors = [model.embedding, model.norm_f] + [getattr(ly, f) for ly in model.layers for f in ly.__slots__]
+    if model.lm_head.data_ptr() != model.embedding.data_ptr():  # untied head
+        tensors.append(model.lm_head)
+    n_params = sum(t.numel() for t in tensors)
+    n_attn = sum(1 for il in range(model.n_layer) if not model.is_recurrent_layer(il))
+    state = 4 * (model.n_embd_r + model.n_embd_s) * (model.n_layer - n_attn)
+    print(
+        f"file:            {path} ({path.stat().st_size / 1e6:.1f} MB)"
+        if path.is_file()
+        else f"folder: {path}"
+    )
+    print(f"architecture:    {model.arch}")
+    for key in (
+        "d_model",
+        "n_layer",
+        "n_vocab",
+        "d_inner",
+        "d_state",
+        "d_conv",
+        "dt_rank",
+        "n_head",
+        "n_group",
+    ):
+        if hasattr(cfg, key):
+            print(f"{key + ':':<16} {getattr(cfg, key)}")
+    print(f"parameters:      {n_params / 1e6:.2f} M")
+    print(f"state per layer: r {model.n_embd_r} + s {model.n_embd_s} floats")
+    print(f"state per seq:   {state} bytes ({state / 1024:.1f} KiB, f32)")
+    how = "torch.compile" if getattr(model, "compile_decode", False) else "eager"
+    print(f"decode steps:    {how} (RSMEM_COMPILE / --compile of generate, chat, serve)")
+    if tokenizer is not None:
+        print(
+            f"tokenizer:       {tokenizer.tokenizer.get_vocab_size()} tokens, bos {tokenizer.bos_token_id}, "
+            f"eos {tokenizer.eos_token_id}"
+        )
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from rsmem.loaders import convert_hf_to_gguf
+
+    src = Path(args.hf_dir)
+    if not (src / "config.json").is_file():
+        raise RsmemError(f"{src} is not a Hugging Face model folder (no config.json)")
+    check_output_path("the output", args.out)
+    t0 = time.perf_counter()
+    sys.stderr.write(f"converting {src} -> {args.out} ({args.outtype})...\n")
+    convert_hf_to_gguf(src, args.out, outtype=args.outtype)
+    size = Path(args.out).stat().st_size
+    sys.stderr.write(f"wrote {args.out}: {size / 1e6:.1f} MB in {time.perf_counter() - t0:.1f}s\n")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rsmem.benchmark import format_table, measure
+    from rsmem.engine import load_text_model
+    from rsmem.models.random_init import mamba2_130m, mamba_130m
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    progress = Progress(enabled=True)
+    parallel = tuple(args.parallel)
+    results = []
+    path = model_path(args.model)
+    model, _ = load_text_model(path)
+    name = "default model" if not args.model else path.name
+    results.append(
+        measure(
+            model,
+            name,
+            n_prompt=args.prompt_tokens,
+            parallel=parallel,
+            steps=args.steps,
+            progress=progress.update,
+        )
+    )
+    if not args.skip_130m:
+        for label, build in (("mamba 130M (random)", mamba_130m), ("mamba2 130M (random)", mamba2_130m)):
+            progress.update(f"building {label}")
+            results.append(
+                measure(
+                    build(),
+                    label,
+                    n_prompt=args.prompt_tokens,
+                    parallel=parallel,
+                    steps=args.steps,
+                    progress=progress.update,
+                )
+            )
+    progress.done()
+    print(f"threads: {torch.get_num_threads()}, f32")
+    print(format_table(results))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Walk through the recurrent memory: parallel decode, fork, save and restore, on the toy model."""
+    import tempfile
+
+    from rsmem import Batch, Context
+    from rsmem.models import DecayedSumModel
+
+    model = DecayedSumModel(n_vocab=64, n_embd=8, n_layer=4)
+    ctx = Context(model, n_seq_max=args.parallel)
+    prompts = {s: [(7 * s + k) % 64 for k in range(3 + s)] for s in range(args.parallel)}
+    ctx.decode(Batch.from_sequences(prompts))
+    print(f"decoded {sum(map(len, prompts.values()))} prompt tokens of {len(prompts)} sequences in one batch")
+    mem = ctx.memory
+    print(
+        f"memory: {mem.used} cells used of {mem.size}, {mem.state_bytes_per_seq()} state bytes per sequence"
+    )
+    if args.parallel > 1:
+        mem.seq_rm(args.parallel - 1, -1, -1)
+        mem.seq_cp(0, args.parallel - 1)
+        print(f"forked sequence 0 into {args.parallel - 1} (shared cell, no copy): {mem.used} cells used")
+    ctx.decode(Batch.from_sequences({s: [s % 64] for s in range(args.parallel)}))
+    print(f"decoded one step of {args.parallel} sequences: {mem.used} cells used")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "seq0.ggsq"
+        size = ctx.state_seq_save_file(path, 0, prompts[0])
+        tokens = ctx.state_seq_load_file(path, 0)
+        print(f"saved sequence 0 to a llama.cpp-format file ({size} bytes), restored {len(tokens)} tokens")
+    return 0
