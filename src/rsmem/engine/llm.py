@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Generator, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -87,9 +88,9 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (batched together); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        ids = self.engine.add_requests(prompts, params)
+        one = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+        many = cast(Sequence[Prompt], [prompts] if one else prompts)
+        ids = self.engine.add_requests(many, params)
         final: dict[str, RequestOutput] = {}
         try:
             for out in self.engine.run_until_done():
@@ -100,7 +101,9 @@ class LLM:
                 self.engine.abort(rid)
         return [final[i] for i in ids]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> Generator[RequestOutput, None, None]:
         """Reports of one request as it generates; each carries the new text in ``delta_text``."""
         request_id = self.engine.add_request(prompt, params)
         try:

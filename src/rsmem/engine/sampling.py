@@ -26,6 +26,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -82,9 +83,9 @@ def _normalise_bias(value: object) -> LogitBias | None:
     """
     if value is None:
         return None
-    items = value.items() if isinstance(value, Mapping) else value
+    items: Any = value.items() if isinstance(value, Mapping) else value
     try:
-        pairs = [tuple(item) for item in items]  # type: ignore[union-attr]
+        pairs = [tuple(item) for item in items]
     except TypeError as exc:
         raise _fail("logit_bias", value, "a mapping of token id to bias") from exc
     bias: dict[int, float] = {}
@@ -106,15 +107,15 @@ def _normalise_bias(value: object) -> LogitBias | None:
 
 def _normalise_stop(value: object) -> tuple[str, ...]:
     # A bare string would otherwise become a tuple of its characters.
-    stops = (value,) if isinstance(value, str) else value
+    given: Any = (value,) if isinstance(value, str) else value
     try:
-        stops = tuple(stops)  # type: ignore[arg-type]
+        stops: tuple[object, ...] = tuple(given)
     except TypeError as exc:
         raise _fail("stop", value, "a tuple of strings") from exc
     for s in stops:
         if not isinstance(s, str) or not s:
             raise _fail("stop", value, f"a tuple of non-empty strings (bad entry {s!r})")
-    return stops
+    return stops  # type: ignore[return-value]  # checked above: every entry is a str
 
 
 MAX_LOGPROBS = 20
