@@ -41,7 +41,9 @@ def create_app(runner: EngineRunner, settings: ServerSettings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(GateMiddleware, state=state)
-    app.add_middleware(MetricsMiddleware, routes=app.router.routes, counts=state.counts)
+    # the routes whose templates label the metrics (included routers' own routes carry the paths)
+    routes = [*app.router.routes, *routes_openai.router.routes, *routes_admin.router.routes]
+    app.add_middleware(MetricsMiddleware, routes=routes, counts=state.counts)
     if settings.cors_origins:
         app.add_middleware(
             ErrorObjectCORSMiddleware,
