@@ -20,6 +20,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	.venv/bin/ruff check src tests bench scripts
 	.venv/bin/ruff format --check src tests bench scripts
+	.venv/bin/mypy  # src/rsmem; settings in pyproject.toml [tool.mypy] (batch/ and memory/ strict)
 
 test: $(STAMP) lint
 	$(PY) -m pytest

@@ -14,10 +14,24 @@ import rsmem
 from rsmem.errors import ModelFormatError
 
 
-def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], keys: dict[str, int]) -> Path:
+def _write_gguf(
+    path: Path,
+    arch: str,
+    tensors: dict[str, np.ndarray],
+    keys: dict[str, int | str],
+    tokenizer: dict[str, object] | None = None,
+) -> Path:
     w = gguf.GGUFWriter(path, arch)
     for k, v in keys.items():
-        w.add_uint32(f"{arch}.{k}", v)
+        if isinstance(v, str):
+            w.add_string(f"{arch}.{k}", v)
+        else:
+            w.add_uint32(f"{arch}.{k}", v)
+    for k, v in (tokenizer or {}).items():
+        if isinstance(v, list):
+            w.add_array(f"tokenizer.ggml.{k}", v)
+        else:
+            w.add_string(f"tokenizer.ggml.{k}", str(v))
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     for name, t in tensors.items():
         w.add_tensor(name, t)
@@ -28,7 +42,12 @@ def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], keys: dic
     return path
 
 
-def _tiny_mamba(path: Path, drop: str | None = None) -> Path:
+def _tiny_mamba(
+    path: Path,
+    drop: str | None = None,
+    keys_over: dict[str, int | str] | None = None,
+    tokenizer: dict[str, object] | None = None,
+) -> Path:
     d, di, n, r, k, v = 8, 16, 4, 2, 4, 16
     f = np.float32
     tensors = {
@@ -46,7 +65,7 @@ def _tiny_mamba(path: Path, drop: str | None = None) -> Path:
         "blk.0.ssm_out.weight": np.ones((d, di), f),
     }
     tensors.pop(drop or "", None)
-    keys = {
+    keys: dict[str, int | str] = {
         "embedding_length": d,
         "block_count": 1,
         "ssm.conv_kernel": k,
@@ -54,7 +73,7 @@ def _tiny_mamba(path: Path, drop: str | None = None) -> Path:
         "ssm.state_size": n,
         "ssm.time_step_rank": r,
     }
-    return _write_gguf(path, "mamba", tensors, keys)
+    return _write_gguf(path, "mamba", tensors, keys | (keys_over or {}), tokenizer)
 
 
 def test_minimal_gguf_loads(tmp_path: Path) -> None:
@@ -94,6 +113,22 @@ def test_missing_tensor_gguf(tmp_path: Path) -> None:
     p = _tiny_mamba(tmp_path / "m.gguf", drop="blk.0.ssm_x.weight")
     with pytest.raises(ModelFormatError, match=r"blk\.0\.ssm_x\.weight"):
         rsmem.load_model(p)
+
+
+def test_gguf_hyperparameter_that_is_not_a_number(tmp_path: Path) -> None:
+    p = _tiny_mamba(tmp_path / "m.gguf", keys_over={"block_count": "one"})
+    with pytest.raises(ModelFormatError, match=r"'mamba\.block_count' is 'one', not a number"):
+        rsmem.load_model(p)
+
+
+def test_gguf_vocabulary_that_is_not_strings(tmp_path: Path) -> None:
+    bad = {"model": "gpt2", "tokens": list(range(16)), "token_type": [1] * 16, "merges": []}
+    p = _tiny_mamba(tmp_path / "m.gguf", tokenizer=bad)
+    with pytest.raises(ModelFormatError, match=r"'tokenizer\.ggml\.tokens' is not a list of strings"):
+        rsmem.load_model(p)
+    good = bad | {"tokens": [chr(ord("a") + i) for i in range(16)]}
+    model = rsmem.load_model(_tiny_mamba(tmp_path / "ok.gguf", tokenizer=good))
+    assert model.tokenizer is not None and model.tokenizer.encode("abc").ids == [0, 1, 2]
 
 
 def test_hf_unsupported_arch(tmp_path: Path) -> None:

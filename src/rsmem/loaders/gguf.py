@@ -65,9 +65,16 @@ def _value(reader: gguf.GGUFReader, key: str, path: Path) -> object:
     return field.contents()
 
 
+def _number(reader: gguf.GGUFReader, key: str, path: Path) -> int | float:
+    value = _value(reader, key, path)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelFormatError(f"{path}: metadata key {key!r} is {value!r}, not a number")
+    return value
+
+
 def _config(reader: gguf.GGUFReader, arch: str, n_vocab: int, path: Path) -> MambaConfig | Mamba2Config:
     def key(k: str) -> int:
-        return int(_value(reader, f"{arch}.{k}", path))  # type: ignore[arg-type]
+        return int(_number(reader, f"{arch}.{k}", path))
 
     common = {
         "d_model": key("embedding_length"),
@@ -76,12 +83,14 @@ def _config(reader: gguf.GGUFReader, arch: str, n_vocab: int, path: Path) -> Mam
         "d_state": key("ssm.state_size"),
         "d_conv": key("ssm.conv_kernel"),
         "d_inner": key("ssm.inner_size"),
-        "eps": float(_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),  # type: ignore[arg-type]
     }
+    eps = float(_number(reader, f"{arch}.attention.layer_norm_rms_epsilon", path))
     try:
         if arch == "mamba":
-            return MambaConfig(**common, dt_rank=key("ssm.time_step_rank"))
-        return Mamba2Config(**common, n_head=key("ssm.time_step_rank"), n_group=key("ssm.group_count"))
+            return MambaConfig(**common, eps=eps, dt_rank=key("ssm.time_step_rank"))
+        return Mamba2Config(
+            **common, eps=eps, n_head=key("ssm.time_step_rank"), n_group=key("ssm.group_count")
+        )
     except ValueError as exc:
         raise ModelFormatError(f"{path}: inconsistent hyperparameters ({exc})") from exc
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").exists()
 
 
-def read_hf(folder: str | Path) -> Checkpoint:
+def read_hf(folder: str | os.PathLike[str]) -> Checkpoint:
     """Parse the folder into a :class:`Checkpoint` (ModelFormatError names what is missing or unsupported)."""
     folder = Path(folder)
     try:
@@ -130,17 +131,19 @@ def _config(config: dict, arch: str, n_vocab: int, folder: Path) -> MambaConfig 
             "n_vocab": n_vocab,
             "d_state": int(config["state_size"]),
             "d_conv": int(config["conv_kernel"]),
-            "eps": float(config.get("layer_norm_epsilon", 1e-5)),
         }
+        eps = float(config.get("layer_norm_epsilon", 1e-5))
         if arch == "mamba":
             rank = config.get("time_step_rank", "auto")
             return MambaConfig(
                 **common,
+                eps=eps,
                 d_inner=int(config.get("intermediate_size") or config.get("expand", 2) * d_model),
                 dt_rank=math.ceil(d_model / 16) if rank == "auto" else int(rank),
             )
         return Mamba2Config(
             **common,
+            eps=eps,
             d_inner=int(config.get("expand", 2) * d_model),
             n_head=int(config["num_heads"]),
             n_group=int(config.get("n_groups", 1)),

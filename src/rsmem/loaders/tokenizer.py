@@ -88,15 +88,37 @@ def tokenizer_data_from_gguf(reader: gguf.GGUFReader) -> TokenizerData | None:
         f = fields.get(key)
         return None if f is None else f.contents()
 
+    def strings(key: str) -> list[str]:
+        v = value(key)
+        if v is None:
+            return []
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise ModelFormatError(f"GGUF metadata key {key!r} is not a list of strings")
+        return v
+
+    def ints(key: str) -> list[int]:
+        v = value(key)
+        if v is None:
+            return []
+        if not isinstance(v, list) or not all(isinstance(x, int) for x in v):
+            raise ModelFormatError(f"GGUF metadata key {key!r} is not a list of integers")
+        return v
+
+    def token_id(key: str) -> int | None:
+        v = value(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ModelFormatError(f"GGUF metadata key {key!r} is {v!r}, not a token id")
+        return v
+
     if value("tokenizer.ggml.model") != "gpt2":
         return None
     return TokenizerData(
-        tokens=list(value("tokenizer.ggml.tokens") or []),  # type: ignore[arg-type]
-        token_types=[int(t) for t in value("tokenizer.ggml.token_type") or []],  # type: ignore[union-attr]
-        merges=list(value("tokenizer.ggml.merges") or []),  # type: ignore[arg-type]
-        bos_id=value("tokenizer.ggml.bos_token_id"),  # type: ignore[arg-type]
-        eos_id=value("tokenizer.ggml.eos_token_id"),  # type: ignore[arg-type]
-        pad_id=value("tokenizer.ggml.padding_token_id"),  # type: ignore[arg-type]
+        tokens=strings("tokenizer.ggml.tokens"),
+        token_types=ints("tokenizer.ggml.token_type"),
+        merges=strings("tokenizer.ggml.merges"),
+        bos_id=token_id("tokenizer.ggml.bos_token_id"),
+        eos_id=token_id("tokenizer.ggml.eos_token_id"),
+        pad_id=token_id("tokenizer.ggml.padding_token_id"),
         pre=str(value("tokenizer.ggml.pre") or "gpt-2"),
     )
 
@@ -104,7 +126,10 @@ def tokenizer_data_from_gguf(reader: gguf.GGUFReader) -> TokenizerData | None:
 def build_tokenizer(data: TokenizerData) -> Tokenizer:
     """A byte-level BPE ``tokenizers.Tokenizer`` (GPT-2 pre-tokenisation) from the stored vocabulary."""
     vocab = {tok: i for i, tok in enumerate(data.tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in data.merges]
+    try:
+        merges = [(left, right) for left, right in (m.split(" ", 1) for m in data.merges)]
+    except ValueError as exc:  # a merge without its space
+        raise ModelFormatError(f"a BPE merge is not two tokens ({exc})") from exc
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -22,6 +22,9 @@ from rsmem.models.ops.fused import token_step
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.protocol import StateAccess
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 def prepare_layer(layer: Any, matrices: tuple[str, ...], dtype: torch.dtype, packing: bool = False) -> Any:
@@ -68,7 +71,7 @@ class MambaFamilyModel:
         self.n_embd_s = math.prod(state_shape)
         self._window_shape = (conv_channels, config.d_conv - 1)
         self._state_shape = state_shape
-        self.tokenizer = None  # set by the loaders when the file carries one
+        self.tokenizer: Tokenizer | None = None  # set by the loaders when the file carries one
         self.embedding = weights.embedding.to(torch.float32)
         self.norm_f = weights.norm_f.to(torch.float32)
         tied = weights.lm_head is weights.embedding

@@ -27,7 +27,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -76,7 +76,10 @@ def zeros_mirroring(t: torch.Tensor, extra_rows: int = 0) -> torch.Tensor:
         return torch.empty_strided(shape, t.stride(), dtype=t.dtype, device=t.device).zero_()
 
 
-class CompiledStep:
+R = TypeVar("R")  # what the compiled function returns: a tensor or a tuple of them
+
+
+class CompiledStep(Generic[R]):
     """One function of :mod:`rsmem.models.ops.fused` under ``torch.compile``, checked before first use.
 
     ``batch_args``: positions of the arguments whose dimension 0 is the batch. When given, that dimension is
@@ -88,7 +91,7 @@ class CompiledStep:
 
     def __init__(
         self,
-        fn: Callable[..., torch.Tensor],
+        fn: Callable[..., R],
         *,
         batch_args: tuple[int, ...] = (),
         mutated: tuple[int, ...] | Callable[[int], bool] = (),
@@ -126,12 +129,12 @@ class CompiledStep:
                 )
         return self.failed is None
 
-    def _call(self, args: tuple[Any, ...]) -> torch.Tensor:
+    def _call(self, args: tuple[Any, ...]) -> R:
         for i in self.batch_args:
             torch._dynamo.mark_dynamic(args[i], 0)
         return self._compiled(*args)
 
-    def __call__(self, *args: Any) -> torch.Tensor:
+    def __call__(self, *args: Any) -> R:
         """The compiled function when it works here, else the eager one (same results)."""
         if self.check(args):
             try:

@@ -30,14 +30,40 @@ class RecurrentModel(Protocol):
     each recurrent layer it reads input states with ``states.read_states(il)`` and writes the states
     after the last token with ``states.write_states(il, r, s)``. It returns float32 logits for the
     micro-batch's output tokens only, ``[ubatch.n_outputs, n_vocab]``, in micro-batch order.
+
+    The sizes are read-only here (properties): a model may hold them as instance attributes, class
+    attributes (``arch``) or properties.
     """
 
-    n_vocab: int
-    n_layer: int
-    n_embd_r: int
-    n_embd_s: int
-    arch: str
+    @property
+    def n_vocab(self) -> int:
+        """Rows of the LM head: the logits' width."""
+        ...
 
-    def is_recurrent_layer(self, il: int) -> bool: ...
+    @property
+    def n_layer(self) -> int:
+        """Layers, recurrent or not; the memory keeps rows for those :meth:`is_recurrent_layer` names."""
+        ...
 
-    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor: ...
+    @property
+    def n_embd_r(self) -> int:
+        """Values in one sequence's ``r`` row (conv window / token shift) of one layer."""
+        ...
+
+    @property
+    def n_embd_s(self) -> int:
+        """Values in one sequence's ``s`` row (SSM state) of one layer."""
+        ...
+
+    @property
+    def arch(self) -> str:
+        """The architecture's name, as GGUF's ``general.architecture`` (written into session files)."""
+        ...
+
+    def is_recurrent_layer(self, il: int) -> bool:
+        """Whether layer ``il`` has a recurrent state (rows in the memory)."""
+        ...
+
+    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
+        """Logits of the micro-batch's output tokens; reads and writes the states through ``states``."""
+        ...
