@@ -15,24 +15,33 @@ from rsmem.memory import state_io
 from rsmem.memory.recurrent import RecurrentMemory, StateShape
 from rsmem.models import DecayedSumModel
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "llamacpp"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "llamacpp"  # see its README.md
 # (n_embd_r, n_embd_s) of the fixture models, from SPEC section 3
 FIXTURE_SHAPES = {"mamba": (3 * 128, 16 * 128), "mamba2": (3 * (128 + 2 * 2 * 16), 16 * 128)}
-needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared fixtures not present")
 
 
 def fixture_memory(arch: str, n_seq_max: int = 4) -> RecurrentMemory:
     return RecurrentMemory(StateShape(2, *FIXTURE_SHAPES[arch]), n_seq_max)
 
 
+def llamacpp_blob(arch: str, wtype: str) -> bytes:
+    """``llama_state_seq_get_data`` of sequence 0 as llama.cpp wrote it. Only the f32 blob is kept in the
+    repository: a blob is its 8-byte header (magic, seq id 0) and then the bytes of the sequence file
+    after its tokens, which the f32 pair shows (test below), so the others are built from their ``.ggsq``."""
+    if wtype == "f32":
+        return (FIXTURES / arch / "state-seq0-f32.bin").read_bytes()
+    data = (FIXTURES / arch / f"state-seq0-{wtype}.ggsq").read_bytes()
+    n_tokens = struct.unpack_from("<I", data, 8)[0]
+    return struct.pack("<Ii", state_io.SEQ_BLOB_MAGIC, 0) + data[12 + 4 * n_tokens :]
+
+
 # ------------------------------------------------------- llama.cpp's bytes
 
 
-@needs_fixtures
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 @pytest.mark.parametrize("wtype", ["f32", "bf16", "q8_0"])
 def test_llamacpp_sequence_blob_parses_and_is_rewritten_byte_for_byte(arch, wtype):
-    data = (FIXTURES / arch / f"state-seq0-{wtype}.bin").read_bytes()
+    data = llamacpp_blob(arch, wtype)
     mem = fixture_memory(arch)
     assert state_io.load_seq_blob(mem, data, 0) == len(data)
     assert mem.seq_pos_max(0) == 11  # the 12-token prompt
@@ -43,20 +52,19 @@ def test_llamacpp_sequence_blob_parses_and_is_rewritten_byte_for_byte(arch, wtyp
     mem.check_invariants()
 
 
-@needs_fixtures
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
-def test_llamacpp_sequence_file_parses_and_is_rewritten_byte_for_byte(arch):
-    data = (FIXTURES / arch / "state-seq0-f32.ggsq").read_bytes()
-    blob = (FIXTURES / arch / "state-seq0-f32.bin").read_bytes()
+@pytest.mark.parametrize("wtype", ["f32", "bf16", "q8_0"])
+def test_llamacpp_sequence_file_parses_and_is_rewritten_byte_for_byte(arch, wtype):
+    data = (FIXTURES / arch / f"state-seq0-{wtype}.ggsq").read_bytes()
     mem = fixture_memory(arch)
     tokens = state_io.load_seq_file_bytes(mem, data, 1)
     assert tokens == [5, 17, 42, 99, 3, 250, 7, 77, 123, 64, 31, 200]
     assert state_io.seq_file_bytes(mem, 1, tokens) == data
-    # the file's payload is the blob's payload
-    assert data[12 + 4 * len(tokens) :] == blob[8:]
+    if wtype == "f32":  # the file's payload is the blob's payload (what llamacpp_blob relies on)
+        blob = (FIXTURES / arch / "state-seq0-f32.bin").read_bytes()
+        assert data[12 + 4 * len(tokens) :] == blob[8:]
 
 
-@needs_fixtures
 def test_llamacpp_state_loads_into_bf16_memory():
     data = (FIXTURES / "mamba" / "state-seq0-f32.bin").read_bytes()
     f32 = fixture_memory("mamba")

@@ -1,10 +1,17 @@
-"""llama.cpp's own logits and state files (../shared/fixtures/llamacpp) reproduced by rsmem."""
+"""llama.cpp's own logits and state files (tests/fixtures/llamacpp, see its README) reproduced by rsmem.
+
+llama.cpp's f32 GGUF of each model is not in the repository (it holds the same weights as ``hf/``): the f32
+model here is rsmem's conversion of ``hf/``, and :func:`test_converted_gguf_matches_llamacpp` pins its
+tensors bit for bit to llama.cpp's file through a digest of that file's tensors.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -12,9 +19,13 @@ import torch
 import rsmem
 from rsmem.loaders import convert_hf_to_gguf
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "llamacpp"
-if not FIXTURES.is_dir():
-    pytest.skip(f"llama.cpp fixtures not found at {FIXTURES}", allow_module_level=True)
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
+# _tensor_digest of llama.cpp's model-f32.gguf (convert_hf_to_gguf.py --outtype f32 of hf/), from
+# ../shared/fixtures/llamacpp/{arch}/model-f32.gguf (see tests/fixtures/llamacpp/README.md)
+LLAMACPP_F32_TENSORS = {
+    "mamba": "168387adfdb5d40e08561e7104bae725f8cc4f73a7069cdf074b1dac6e96e92a",
+    "mamba2": "808d30e9668a21fff00c3fc4ae2216090911133fb369e524db665c2adedd422d",
+}
 
 ARCHS = ["mamba", "mamba2"]
 TYPES = ["f32", "bf16", "q8_0"]
@@ -26,6 +37,23 @@ F32_ATOL = 1e-4
 
 def _fixture(arch: str) -> dict:
     return json.loads((FIXTURES / arch / "fixture.json").read_text())
+
+
+def _tensor_digest(path: Path) -> str:
+    """sha256 over a GGUF's tensors in name order: name, ggml type, shape, then the raw data bytes."""
+    h = hashlib.sha256()
+    for t in sorted(gguf.GGUFReader(path).tensors, key=lambda t: t.name):
+        h.update(f"{t.name} {t.tensor_type.name} {[int(d) for d in t.shape]}\n".encode())
+        h.update(t.data.tobytes())
+    return h.hexdigest()
+
+
+def _gguf(arch: str, kind: str, tmp: Path) -> Path:
+    """llama.cpp's GGUF of ``kind``; for f32 rsmem's conversion of ``hf/`` (pinned to llama.cpp's file by
+    :func:`test_converted_gguf_matches_llamacpp`)."""
+    if kind == "f32":
+        return convert_hf_to_gguf(FIXTURES / arch / "hf", tmp / f"{arch}-f32.gguf", outtype="f32")
+    return FIXTURES / arch / f"model-{kind}.gguf"
 
 
 def _check(got: torch.Tensor, want: np.ndarray, kind: str) -> None:
@@ -44,8 +72,9 @@ def _prompt_logits(model, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def models() -> dict[tuple[str, str], object]:
-    return {(a, t): rsmem.load_model(FIXTURES / a / f"model-{t}.gguf") for a in ARCHS for t in TYPES}
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], object]:
+    tmp = tmp_path_factory.mktemp("gguf")
+    return {(a, t): rsmem.load_model(_gguf(a, t, tmp)) for a in ARCHS for t in TYPES}
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -115,6 +144,9 @@ def test_converted_gguf_matches_llamacpp(tmp_path: Path, arch: str, kind: str) -
     model = rsmem.load_model(out)
     want = np.load(FIXTURES / arch / f"logits-prompt-{kind}.npy")
     _check(_prompt_logits(model, fx["prompt"]), want, kind)
+    if kind == "f32":  # the same names, types, shapes and bytes as llama.cpp's converter wrote
+        assert _tensor_digest(out) == LLAMACPP_F32_TENSORS[arch]
+        return
     # the tensors rsmem writes decode to the same values llama.cpp's converter wrote
     from rsmem.loaders import read_checkpoint
 
@@ -130,7 +162,7 @@ def test_tokenizers_from_gguf_and_hf_agree(arch: str) -> None:
     from rsmem.loaders import load_tokenizer
 
     text = "the quick brown fox says hello to the world"
-    a = load_tokenizer(FIXTURES / arch / "model-f32.gguf")
+    a = load_tokenizer(FIXTURES / arch / "model-bf16.gguf")  # llama.cpp's vocabulary metadata
     b = load_tokenizer(FIXTURES / arch / "hf")
     assert a is not None and b is not None
     ids = b.encode(text).ids
