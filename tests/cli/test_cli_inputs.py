@@ -74,6 +74,15 @@ def test_the_prompt_is_given_one_way(argv, no_load, capsys):
     assert "give the prompt one way" in capsys.readouterr().err
 
 
+def test_stdin_prompt_with_a_seed_is_reproducible(stdin_bytes, fast_load, capsys):
+    outs = []
+    for _ in range(2):
+        stdin_bytes(b"KING:")
+        assert main(["generate", "-n", "12", "--seed", "7"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].startswith("KING:") and len(outs[0]) > len("KING:\n")
+
+
 # ---------------------------------------------------------------------------------- output paths
 
 
@@ -131,6 +140,26 @@ def test_sampling_errors_name_the_flag_before_loading(flag, value, no_load, caps
     err = capsys.readouterr().err
     assert err.startswith(f"rsmem: error: {flag} must be") and err.count("\n") == 1
     assert "SamplingParams" not in err and "_" not in err.split(" must ")[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["generate", "hi", "-m", "/no/such/model.gguf"], 1, "rsmem: error: model not found"),
+        (["generate", "hi", "--parallel", "0"], 2, "--parallel must be at least 1"),
+        (["info", "/no/such/model.gguf"], 1, "rsmem: error: model not found"),
+        (["convert", "/no/such/dir", "out.gguf"], 1, "not a Hugging Face model folder"),
+        (["frobnicate"], 2, "invalid choice"),
+    ],
+)
+def test_bad_options_are_one_clear_line(argv, code, message, capsys):
+    try:
+        got = main(argv)
+    except SystemExit as exited:  # usage errors: argparse prints usage and the error, exit 2
+        got = exited.code
+    assert got == code
+    err = capsys.readouterr().err
+    assert message in err and err.strip().splitlines()[-1].startswith("rsmem")
 
 
 @pytest.mark.parametrize("n", ["0", "-2"])
