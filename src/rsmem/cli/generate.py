@@ -106,10 +106,10 @@ def _generate_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int
         engine.abort(rid)  # after Ctrl-C; a no-op for finished requests
     failed = []
     for k, rid in enumerate(ids):
-        out = latest.get(rid)
-        sys.stdout.write(f"--- prompt {k + 1} ---\n{prompts[k]}{out.text if out else ''}\n")
-        if out is not None and out.outputs[0].finish_reason == "error":
-            failed.append(f"prompt {k + 1}: {out.error or out.outputs[0].error}")
+        report = latest.get(rid)
+        sys.stdout.write(f"--- prompt {k + 1} ---\n{prompts[k]}{report.text if report else ''}\n")
+        if report is not None and report.outputs[0].finish_reason == "error":
+            failed.append(f"prompt {k + 1}: {report.error or report.outputs[0].error}")
     sys.stdout.flush()
     report_speed(engine, started)
     if failed:

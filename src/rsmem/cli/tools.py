@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -42,9 +43,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from rsmem.engine import load_text_model
+    from rsmem.models.base import MambaFamilyModel
 
     path = model_path(args.model)
     model, tokenizer = load_text_model(path)
+    if not isinstance(model, MambaFamilyModel):
+        raise RsmemError(f"{path}: info describes Mamba-family models, not {type(model).__name__}")
     cfg = model.config
     tensors = [model.embedding, model.norm_f] + [getattr(ly, f) for ly in model.layers for f in ly.__slots__]
     if model.lm_head.data_ptr() != model.embedding.data_ptr():  # untied head
@@ -150,7 +154,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     model = DecayedSumModel(n_vocab=64, n_embd=8, n_layer=4)
     ctx = Context(model, n_seq_max=args.parallel)
-    prompts = {s: [(7 * s + k) % 64 for k in range(3 + s)] for s in range(args.parallel)}
+    prompts: dict[int, Sequence[int]] = {
+        s: [(7 * s + k) % 64 for k in range(3 + s)] for s in range(args.parallel)
+    }
     ctx.decode(Batch.from_sequences(prompts))
     print(f"decoded {sum(map(len, prompts.values()))} prompt tokens of {len(prompts)} sequences in one batch")
     mem = ctx.memory
@@ -165,7 +171,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"decoded one step of {args.parallel} sequences: {mem.used} cells used")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "seq0.ggsq"
-        size = ctx.state_seq_save_file(path, 0, prompts[0])
+        size = ctx.state_seq_save_file(path, 0, list(prompts[0]))
         tokens = ctx.state_seq_load_file(path, 0)
         print(f"saved sequence 0 to a llama.cpp-format file ({size} bytes), restored {len(tokens)} tokens")
     return 0
