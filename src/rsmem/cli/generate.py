@@ -36,13 +36,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gen.add_argument(
         "-p", "--prompt", dest="prompt_text", metavar="TEXT", help="the prompt; escapes such as \\n processed"
     )
-    gen.add_argument("-f", "--file", metavar="FILE", help="a file holding the whole prompt")
+    gen.add_argument(
+        "-f", "--file", metavar="FILE", help="a file holding the whole prompt (one final newline dropped)"
+    )
     gen.add_argument(
         "--prompts-file", metavar="FILE", help="one prompt per line, decoded together (see --parallel)"
     )
     add_model_options(gen)
     add_sampling_options(gen)
-    gen.add_argument("-np", "--parallel", type=int, default=4, help="sequences decoded together (default 4)")
+    gen.add_argument(
+        "-np",
+        "--parallel",
+        type=int,
+        default=4,
+        help="sequences decoded together with --prompts-file (default 4)",
+    )
     gen.add_argument("--save-state", metavar="FILE", help="save the final state + tokens (llama.cpp .ggsq)")
     gen.add_argument(
         "--load-state", metavar="FILE", help="continue from a saved state; the prompt is appended"

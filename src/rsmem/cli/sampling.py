@@ -44,7 +44,7 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=128,
         metavar="N",
-        help="tokens to generate, -1 = until EOS or a stop string (default 128)",
+        help="tokens to generate, -1 = until EOS, a stop string or Ctrl-C (default 128)",
     )
     p.add_argument("--temp", type=float, default=0.8, help="temperature, 0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
@@ -60,7 +60,11 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument(
-        "-s", "--seed", type=int, default=None, help="seed for reproducible sampling; -1: draw one, print it"
+        "-s",
+        "--seed",
+        type=int,
+        default=None,
+        help="seed for reproducible sampling; -1: draw one and print it (default: random, not shown)",
     )
     p.add_argument(
         "--stop",

@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if args.shutdown_timeout < 0:
+    if not args.shutdown_timeout >= 0:  # NaN too
         parser.error(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
 
 
