@@ -22,6 +22,14 @@ def test_non_utf8_stdin_is_one_error_line_naming_the_byte(stdin_bytes, no_load, 
     assert capsys.readouterr().err == "rsmem: error: stdin: invalid UTF-8 at byte 3 (0xff)\n"
 
 
+def test_non_utf8_prompt_argument_is_one_error_line(no_load, capsys):
+    # a byte that is not UTF-8 in argv reaches Python as a lone surrogate (os.fsdecode)
+    assert main(["generate", "ROMEO\udcff:"]) == 1
+    assert capsys.readouterr().err == "rsmem: error: the prompt argument: invalid UTF-8 at byte 5 (0xff)\n"
+    assert main(["generate", "-p", "\udce9"]) == 1
+    assert capsys.readouterr().err == "rsmem: error: -p: invalid UTF-8 at byte 0 (0xe9)\n"
+
+
 def test_non_utf8_line_in_chat_is_one_error_line(stdin_bytes, fast_load, capsys):
     stdin_bytes(b"ROMEO:\nJUL\xc3IET:\n")
     assert main(["chat", "-n", "2", "--temp", "0"]) == 1
@@ -102,6 +110,15 @@ def test_save_state_under_a_file_or_onto_a_folder_fails_before_loading(tmp_path,
     assert "is not a folder" in capsys.readouterr().err
     assert main(["generate", "hi", "--save-state", str(tmp_path)]) == 1
     assert capsys.readouterr().err == f"rsmem: error: --save-state {tmp_path}: is a folder, not a file\n"
+
+
+def test_convert_checks_its_output_folder_before_converting(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")  # never read: the output check comes first
+    out = tmp_path / "missing" / "m.gguf"
+    assert main(["convert", str(tmp_path), str(out)]) == 1
+    assert capsys.readouterr().err == (
+        f"rsmem: error: the output {out}: the folder '{out.parent}' does not exist\n"
+    )
 
 
 def test_save_error_names_the_path_typed_not_the_temporary_file():

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from rsmem.cli.inputs import LineReader, check_input_file, check_output_path, stdin_bytes
+from rsmem.cli.inputs import LineReader, check_input_file, check_output_path, stdin_bytes, stdin_is_terminal
 from rsmem.cli.model import add_model_options, load
 from rsmem.cli.run import Interrupt, report_speed, save_state, stream_request, write_out
 from rsmem.cli.sampling import add_sampling_options, check_sampling_args, sampling_params
@@ -40,7 +40,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     llm = load(args, n_seq_max=1)
     engine = llm.engine
     session = engine.open_session(args.load_state) if args.load_state else engine.open_session()
-    interactive = sys.stdin.isatty()
+    interactive = stdin_is_terminal()
     lines = LineReader(stdin_bytes())
     if interactive:
         sys.stderr.write(

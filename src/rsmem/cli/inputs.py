@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import os
 import sys
 from pathlib import Path
@@ -49,8 +50,13 @@ def read_file_text(flag: str, path: str) -> str:
 
 
 def stdin_bytes() -> BinaryIO:
-    """The binary stream under ``sys.stdin`` (read at call time, so tests can replace it)."""
-    return sys.stdin.buffer
+    """The binary stream under ``sys.stdin`` (read at call time, so tests can replace it); an empty one
+    when stdin is closed."""
+    return sys.stdin.buffer if sys.stdin is not None else io.BytesIO()
+
+
+def stdin_is_terminal() -> bool:
+    return sys.stdin is not None and sys.stdin.isatty()
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -70,7 +76,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         return [text[:-1] if text.endswith("\n") else text]  # as llama.cpp: one final newline dropped
     if args.prompt is not None:
         return [argument_text("the prompt argument", args.prompt)]
-    if not sys.stdin.isatty():
+    if sys.stdin is not None and not sys.stdin.isatty():
         return [decode(stdin_bytes().read(), "stdin")]
     raise RsmemError("no prompt: give one as an argument, with -p or -f, on stdin, or with --prompts-file")
 
