@@ -303,3 +303,19 @@ def test_unlimited_max_tokens_stops_at_a_stop_condition():
 
 def test_injected_fault_type():
     assert issubclass(InjectedFault, RuntimeError)
+
+
+def test_saving_a_session_decodes_a_pending_tail_longer_than_a_batch(tmp_path):
+    ctx = Context(toy(), n_seq_max=2, n_batch=16, n_ubatch=16)
+    engine = Engine(ctx)
+    session = engine.open_session()
+    prompt = [(7 * k) % N_VOCAB for k in range(40)]
+    rid = engine.add_request(prompt, SamplingParams.greedy(max_tokens=2), session=session)
+    engine.step()  # 16 of 40 prompt tokens in
+    engine.abort(rid)
+    assert len(session.pending) == 24 > ctx.n_batch
+    engine.save_session(session, str(tmp_path / "s.ggsq"))
+    assert session.tokens == prompt and session.pending == []
+    fresh = Engine(Context(toy(), n_seq_max=1, n_batch=64))
+    restored = fresh.open_session(str(tmp_path / "s.ggsq"))
+    assert restored.tokens == prompt

@@ -37,10 +37,11 @@ class KeptSequences:
             raise RuntimeError("the session has a request running; save it when the request is done")
         if session.closed:
             raise RuntimeError("the session is closed")
-        if session.pending:
-            self.ctx.decode(Batch(session.pending, seq_ids=[[session.seq_id]] * len(session.pending)))
-            session.tokens += session.pending
-            session.pending = []
+        while session.pending:  # in pieces of n_batch: a prompt interrupted early leaves a long tail
+            piece = session.pending[: self.ctx.n_batch]
+            self.ctx.decode(Batch(piece, seq_ids=[[session.seq_id]] * len(piece)))
+            session.tokens += piece
+            del session.pending[: len(piece)]
         return self.ctx.state_seq_save_file(path, session.seq_id, session.tokens)
 
     def close_session(self, session: Session) -> None:
