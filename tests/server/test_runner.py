@@ -1,0 +1,77 @@
+"""The engine thread: no permanent failure state, and ``/health`` from the snapshot and the thread."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+from conftest import MODEL, LiveServer, start_server
+
+
+def complete(live: LiveServer, **extra) -> httpx.Response:
+    payload = {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 8, "temperature": 0} | extra
+    return httpx.post(f"{live.base_url}/completions", json=payload, timeout=60)
+
+
+def test_a_step_that_raises_fails_only_the_requests_in_flight(shared_llm):
+    """``Engine.step`` should never raise; if it does, the requests in flight fail and serving goes on."""
+    with start_server(shared_llm, max_tokens_limit=None) as live:
+        want = complete(live).json()["choices"][0]["text"]
+        engine = live.engine
+        real_step = engine.step
+        armed = threading.Event()
+
+        def step():  # raises once, when armed
+            if armed.is_set():
+                armed.clear()
+                raise RuntimeError("boom")
+            return real_step()
+
+        engine.step = step  # type: ignore[method-assign]
+        try:
+            results: list[httpx.Response] = []
+            eos = engine.tokenizer.eos_token_id
+            long = {"max_tokens": 100_000, "logit_bias": {str(eos): -100}}
+            thread = threading.Thread(target=lambda: results.append(complete(live, **long)))
+            thread.start()
+            deadline = time.monotonic() + 10
+            while not live.snapshot()["rsmem_requests_running"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            armed.set()
+            thread.join(timeout=30)
+            failed = results[0]
+            assert failed.status_code == 500
+            assert failed.json()["error"]["type"] == "server_error"
+            assert "boom" in failed.json()["error"]["message"]
+
+            payload = {"model": MODEL, "prompt": "ROMEO:", "stream": True, **long}
+            with httpx.stream("POST", f"{live.base_url}/completions", json=payload, timeout=30) as r:
+                lines = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
+                events = [next(lines)]
+                armed.set()  # a stream in flight ends with an error event
+                events += list(lines)
+            assert events[-1] == "[DONE]" and "boom" in json.loads(events[-2])["error"]["message"]
+        finally:
+            del engine.step
+        live.wait_idle()
+        assert live.runner.alive
+        assert complete(live).json()["choices"][0]["text"] == want  # later requests are served
+        assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
+
+
+def test_health_reports_slots_from_the_snapshot(live):
+    body = httpx.get(f"{live.url}/health").json()
+    assert body == {"status": "ok", "reason": None, "slots_idle": 4, "slots_processing": 0}
+
+
+def test_health_is_503_when_the_engine_thread_is_gone(shared_llm):
+    with start_server(shared_llm) as live:
+        live.runner.stop()
+        r = httpx.get(f"{live.url}/health")
+        assert r.status_code == 503
+        assert r.json()["status"] == "error" and "not running" in r.json()["reason"]
+        r = complete(live)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
