@@ -193,6 +193,10 @@ class _GracefulServer(uvicorn.Server):
                 await asyncio.sleep(0.02)
         self.report.forced = self.force_exit
         self.report.seconds = time.monotonic() - t0
+        # Everything is aborted by now, so uvicorn's own wait is short: let it close the connections and
+        # run the lifespan shutdown even after a second signal (skipping it leaves a cancelled task
+        # that logs a traceback).
+        self.force_exit = False
         await super().shutdown(sockets)
 
 
