@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from rsmem.engine import Engine, RequestOutput, SamplingParams
 from rsmem.engine.status import EngineSnapshot
+from rsmem.errors import InvalidRequestError
 
 T = TypeVar("T")
 log = logging.getLogger("rsmem.server")
@@ -221,6 +222,12 @@ class EngineRunner:
             snap = self.engine.snapshot()
             queued = snap.waiting_seqs - snap.free_slots
             needed = params.n * len(prompts)
+            if needed > snap.n_slots + self.max_queue:  # could never be accepted: not "busy"
+                raise InvalidRequestError(
+                    "prompt",
+                    f"asks for {needed} completions ({len(prompts)} prompts, n = {params.n}): more than "
+                    f"the {snap.n_slots} slots and {self.max_queue} queue places of this server",
+                )
             if queued + needed > self.max_queue:
                 raise QueueFullError(f"all {snap.n_slots} slots are busy and {max(queued, 0)} requests wait")
             if len(prompts) == 1:  # add_requests would name it "prompt 0" in its errors
