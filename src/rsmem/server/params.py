@@ -63,9 +63,10 @@ def completion_prompts(body: CompletionRequest) -> list[Prompt]:
     p = body.prompt
     if isinstance(p, str):
         return [p]
-    if p and all(isinstance(x, int) for x in p):
-        return [list(p)]  # type: ignore[arg-type]
-    return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
+    ids = [x for x in p if isinstance(x, int)]
+    if len(ids) == len(p):
+        return [ids]
+    return [x if isinstance(x, str) else list(x) for x in p if not isinstance(x, int)]
 
 
 def slot_of(body: Body) -> int | None:
