@@ -41,7 +41,7 @@ async def health(request: Request) -> JSONResponse:
     """``ok``, ``degraded`` (a model failure in the last minute; ``reason`` names it) or ``error``
     (the engine thread stopped, does not answer, or its last decode steps all failed): 503 then."""
     state = app_state(request)
-    n = state.runner.engine.ctx.n_seq_max
+    n = state.runner.n_slots
     body: dict[str, Any] = {"status": "error", "reason": None, "slots_idle": 0, "slots_processing": n}
     if not state.runner.alive:
         body["reason"] = "the engine thread is not running"

@@ -84,6 +84,7 @@ class EngineRunner:
     def __init__(self, engine: Engine, *, max_queue: int = 64) -> None:
         self.engine = engine
         self.max_queue = max_queue
+        self.n_slots = engine.snapshot().n_slots  # read before the engine thread exists
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         # request id -> (loop, queue); touched only on the engine thread
