@@ -19,13 +19,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rsmem.engine import LLM
 from rsmem.errors import RsmemError
-from rsmem.server import ServeOptions, run_server
+from rsmem.server import ServeOptions, bind_socket, run_server
 
 SCRIPT = """
 import sys
 from rsmem.engine import LLM
-from rsmem.server import ServeOptions, run_server
+from rsmem.server import ServeOptions, bind_socket, run_server
 options = ServeOptions(port=0, shutdown_timeout=float(sys.argv[1]), max_tokens_limit=None, alias="m")
 sys.exit(run_server(LLM(n_seq_max=2, n_batch=256), options))
 """
@@ -180,3 +181,32 @@ def test_options_from_the_serve_flags():
     assert options.cors_origins == ("http://a", "http://b") and options.slot_save_path == Path("slots")
     assert options.port == 9000 and options.shutdown_timeout == 2.5 and options.no_prompt_cache
     assert options.model_path is None
+
+
+def test_a_socket_bound_before_the_model_loads_is_served():
+    """``rsmem serve`` may bind first (a busy port is reported before the model loads), then serve on it;
+    a thread that runs the server stops it with ``stop``."""
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    out, stop, codes = io.StringIO(), threading.Event(), []
+    llm = LLM(n_seq_max=2, n_batch=256)
+
+    def serve() -> None:
+        codes.append(run_server(llm, ServeOptions(port=0), sock=sock, out=out, stop=stop))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok"
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert codes == [0] and f"127.0.0.1:{port}" in out.getvalue()
+    assert "stopped" in out.getvalue().splitlines()[-1]

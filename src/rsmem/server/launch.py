@@ -164,10 +164,17 @@ class _GracefulServer(uvicorn.Server):
     """uvicorn's server with rsmem's shutdown: stop accepting, drain for ``timeout`` seconds, then
     cancel; signals are handled by :func:`run_server` (and never re-raised)."""
 
-    def __init__(self, config: uvicorn.Config, state: AppState, timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: AppState, timeout: float, stop: threading.Event | None
+    ) -> None:
         super().__init__(config)
-        self.state, self.timeout = state, timeout
+        self.state, self.timeout, self.stop = state, timeout, stop
         self.report = _Shutdown()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.stop is not None and self.stop.is_set():
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -200,12 +207,24 @@ class _GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def run_server(llm: LLM, options: ServeOptions, *, out: TextIO | None = None) -> int:
+def run_server(
+    llm: LLM,
+    options: ServeOptions,
+    *,
+    sock: socket.socket | None = None,
+    out: TextIO | None = None,
+    stop: threading.Event | None = None,
+) -> int:
     """Serve until SIGINT/SIGTERM; 0 after a graceful shutdown. Raises RsmemError for a bad option or
-    an address that cannot be bound, before writing anything."""
+    an address that cannot be bound, before writing anything.
+
+    ``sock``: a socket from :func:`bind_socket` (a caller may bind before loading the model, so a busy
+    port is reported at once); by default ``options.host:options.port`` is bound here. It is closed
+    when the server stops. ``stop``: setting it shuts the server down as a first signal would (for a
+    caller that runs the server in a thread, where there are no signals)."""
     out = out or sys.stderr
     options.check()
-    sock = bind_socket(options.host, options.port)
+    sock = sock or bind_socket(options.host, options.port)
     try:
         served = build_app(llm, options)
         host, port = sock.getsockname()[:2]
@@ -218,7 +237,7 @@ def run_server(llm: LLM, options: ServeOptions, *, out: TextIO | None = None) ->
         config = uvicorn.Config(
             served.app, log_level=options.log_level, lifespan="on", timeout_graceful_shutdown=2
         )
-        server = _GracefulServer(config, served.state, options.shutdown_timeout)
+        server = _GracefulServer(config, served.state, options.shutdown_timeout, stop)
         with _signals(server):
             server.run(sockets=[sock])
             served.runner.stop()
