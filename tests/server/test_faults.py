@@ -240,7 +240,8 @@ def test_disconnect_while_prefilling(server, faulty, alone):
     finally:
         faulty.delay, faulty.slow = 0.0, set()
     processed = server.snapshot()["rsmem_prompt_tokens_total"] - before
-    assert processed < 1500, "the prompt was processed to the end"
+    n_prompt = len(server.engine.tokenizer.encode(prompt))  # 2001
+    assert processed < n_prompt - 400, "the prompt was processed to the end"
     goods.assert_exact(alone)
 
 
