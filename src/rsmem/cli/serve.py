@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 from rsmem.cli.model import add_model_options, load, model_path
 
@@ -51,40 +49,16 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    """Bind first (a busy or bad address is one error line before the model loads), then serve until
+    SIGINT/SIGTERM, which finish or cancel in-flight work within --shutdown-timeout and exit 0."""
+    from rsmem.server import ServeOptions, bind_socket, run_server
 
-    from rsmem.engine import Engine
-    from rsmem.server import ChatTemplate, EngineRunner, ServerSettings, create_app, load_chat_template
-
-    llm = load(args, n_seq_max=args.parallel)
-    path = model_path(args.model)
-    slot_dir = Path(args.slot_save_path) if args.slot_save_path else None
-    if slot_dir is not None:
-        slot_dir.mkdir(parents=True, exist_ok=True)
-    tok = llm.tokenizer
-    template = ChatTemplate(
-        load_chat_template(path),
-        bos_token=tok.token_text(tok.bos_token_id) if tok and tok.bos_token_id is not None else "",
-        eos_token=tok.token_text(tok.eos_token_id) if tok and tok.eos_token_id is not None else "",
-    )
-    engine = Engine(llm.context, llm.tokenizer, prompt_cache=not args.no_prompt_cache)
-    settings = ServerSettings(
-        model_name=args.alias or path.stem,
-        api_key=args.api_key,
-        slot_save_path=slot_dir,
-        max_body_bytes=args.max_body_bytes,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_tokens_limit=args.max_tokens_limit,
-        chat_template=template,
-    )
-    runner = EngineRunner(engine, max_queue=args.max_queue)
-    app = create_app(runner, settings)
-    sys.stderr.write(
-        f"rsmem serve: {settings.model_name} on http://{args.host}:{args.port} with {args.parallel} slots"
-        f"{' (chat template from the model)' if template.source else ''}\n"
-    )
+    options = ServeOptions.from_args(args, model_path=model_path(args.model))
+    options.check()
+    sock = bind_socket(options.host, options.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        runner.stop()
-    return 0
+        llm = load(args, n_seq_max=args.parallel)
+    except BaseException:
+        sock.close()
+        raise
+    return run_server(llm, options, sock=sock)
