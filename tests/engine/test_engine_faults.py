@@ -319,3 +319,21 @@ def test_saving_a_session_decodes_a_pending_tail_longer_than_a_batch(tmp_path):
     fresh = Engine(Context(toy(), n_seq_max=1, n_batch=64))
     restored = fresh.open_session(str(tmp_path / "s.ggsq"))
     assert restored.tokens == prompt
+
+
+def test_a_request_pinned_to_a_busy_slot_does_not_block_the_queue():
+    """Review finding: a pinned request queued behind a long one held every later request back."""
+    engine = make_engine()
+    long = engine.add_request([1, 2], SamplingParams.greedy(max_tokens=200, ignore_eos=True), slot=0)
+    pinned = engine.add_request([3, 4], SamplingParams.greedy(max_tokens=2), slot=0)
+    free = engine.add_request([5, 6], SamplingParams.greedy(max_tokens=2))
+    done: dict = {}
+    for _ in range(10):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert free in done and pinned not in done and long not in done
+    assert engine.snapshot().waiting == 1
+    engine.abort(long)
+    done.update(run_all(engine))
+    assert done[pinned].error is None and done[pinned].outputs[0].token_ids == alone(
+        [3, 4], SamplingParams.greedy(max_tokens=2)
+    )[0]

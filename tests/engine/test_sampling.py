@@ -218,8 +218,8 @@ def test_logit_bias_adds_and_bans() -> None:
     assert all(SAMPLER.sample(LOGITS, [banned], generators=gens).tokens == [V - 1] for _ in range(20))
     with pytest.raises(ValueError, match="vocabulary"):
         SAMPLER.sample(LOGITS, [SamplingParams(logit_bias={V: 1.0})])
-    with pytest.raises(ValueError, match="banned"):
-        SAMPLER.sample(LOGITS, [SamplingParams(logit_bias={t: -math.inf for t in range(V)})])
+    out = SAMPLER.sample(LOGITS, [SamplingParams(logit_bias={t: -math.inf for t in range(V)})])
+    assert out.tokens == [-1] and "banned" in out.errors[0]
 
 
 def test_logprobs_are_log_softmax_of_adjusted_logits() -> None:
@@ -348,3 +348,33 @@ def test_sampled_token_is_always_allowed_and_batch_independent(rows: list, data:
             assert (probs[i] > 0).sum() <= p.top_k
         alone = SAMPLER.sample(logits[i : i + 1], [p], [histories[i]], [make_generator(seed)])
         assert alone.tokens == [token]
+
+
+def test_a_row_that_cannot_be_sampled_leaves_the_other_rows_and_their_generators_alone() -> None:
+    """A bad row is reported, not raised, and no generator draws twice (seeded neighbours unchanged)."""
+    good = SamplingParams(temperature=0.8, seed=5)
+    banned = SamplingParams(temperature=0.8, logit_bias={t: -math.inf for t in range(V)})
+    batch = torch.stack([LOGITS[0], LOGITS[0], LOGITS[0]])
+    alone = [SAMPLER.sample(LOGITS[:1], [good], generators=[make_generator(5)]).tokens[0] for _ in range(1)]
+    gens = [make_generator(5), make_generator(1), make_generator(5)]
+    first = SAMPLER.sample(batch, [good, banned, good], generators=gens)
+    assert first.tokens[0] == first.tokens[2] == alone[0] and first.tokens[1] == -1
+    assert first.errors[0] is None and first.errors[1] is not None
+    solo = make_generator(5)
+    SAMPLER.sample(LOGITS[:1], [good], generators=[solo])
+    second = SAMPLER.sample(batch, [good, banned, good], generators=gens)
+    assert second.tokens[0] == SAMPLER.sample(LOGITS[:1], [good], generators=[solo]).tokens[0]
+
+
+def test_tiny_top_p_and_temperature_are_greedy_not_errors() -> None:
+    """top_p that rounds to 0 in float32 keeps the head; a temperature below 1e-5 is greedy."""
+    best = int(torch.argmax(LOGITS[0]))
+    for params in (
+        SamplingParams(top_p=1e-300, seed=1),
+        SamplingParams(top_p=1e-300, min_p=1.0, seed=1),
+        SamplingParams(temperature=1e-300, seed=1, logprobs=2),
+        SamplingParams(temperature=1e-38, seed=1),
+        SamplingParams(temperature=1e-5, seed=1),
+    ):
+        out = SAMPLER.sample(LOGITS[:1], [params], generators=[make_generator(1)])
+        assert out.tokens == [best] and out.errors == [None], params

@@ -219,30 +219,36 @@ class Engine:
         return [report(r) for r in touched.values()]
 
     def _admit(self) -> None:
-        """Give waiting requests their sequences, in arrival order (a blocked head blocks the rest)."""
+        """Give waiting requests their sequences. Requests without a slot go in arrival order (one that
+        does not fit blocks the later ones, so large ``n`` is not starved); a request pinned to a busy
+        slot waits for it without blocking anyone, and the others avoid the slots pinned requests wait for.
+        """
         pool = self.pool
-        while self.waiting:
-            req = self.waiting[0]
+        wanted = {r.slot for r in self.waiting if r.slot is not None and not r.finished}
+        blocked = False
+        for req in list(self.waiting):
             if req.finished:  # aborted while waiting
-                self.waiting.popleft()
+                self.waiting.remove(req)
                 continue
             if req.session is not None:
                 first = req.session.seq_id
             elif req.slot is not None:
                 if not pool.is_free(req.slot) or pool.n_free < req.params.n:
-                    break
+                    continue
                 first = req.slot
-            elif pool.n_free >= req.params.n:
-                first = pool.best_free(req.prompt_tokens)
+                wanted.discard(req.slot)
+            elif not blocked and pool.n_free >= req.params.n:
+                first = pool.best_free(req.prompt_tokens, avoid=wanted)
             else:
-                break
-            self.waiting.popleft()
+                blocked = True
+                continue
+            self.waiting.remove(req)
             if req.session is None:
                 req.n_cached = req.n_prefilled = pool.take(first, req.prompt_tokens)
                 self.stats.cached_prompt_tokens += req.n_cached
             req.completions[0].seq_id = first
             for c in req.completions[1:]:
-                c.seq_id = pool.best_free([])
+                c.seq_id = pool.best_free([], avoid=wanted)
                 pool.take(c.seq_id, [])
             req.phase = Phase.PREFILL
             self.running.append(req)
@@ -279,20 +285,24 @@ class Engine:
         by_request: dict[str, list[int]] = {}
         for i, (req, _) in enumerate(targets):
             by_request.setdefault(req.request_id, []).append(i)
-        try:
-            tokens, logprobs = self._sample_rows(logits, targets)
-        except Exception:  # some row is bad: sample each request on its own to find it
-            tokens, logprobs = [None] * len(targets), [None] * len(targets)
+        params = [req.params for req, _ in targets]
+        histories = (
+            [req.prompt_tokens + c.tokens for req, c in targets]
+            if any(p.has_penalties for p in params)
+            else None
+        )
+        try:  # a bad row is reported in out.errors; only a bug raises here
+            out = self.sampler.sample(logits, params, histories, [c.generator for _, c in targets])
+        except Exception as exc:
             for idx in by_request.values():
-                try:
-                    sub_tokens, sub_lp = self._sample_rows(logits[idx], [targets[i] for i in idx])
-                except Exception as exc:
-                    bad_state = not bool(torch.isfinite(logits[idx]).all())
-                    message = _sampling_error(exc, bad_state)
-                    self._fail(targets[idx[0]][0], ErrorKind.REQUEST, message, state_lost=bad_state)
-                    continue
-                for j, i in enumerate(idx):
-                    tokens[i], logprobs[i] = sub_tokens[j], sub_lp[j]
+                self._fail(targets[idx[0]][0], ErrorKind.REQUEST, f"sampling failed: {exc}", state_lost=False)
+            return
+        for idx in by_request.values():
+            bad = [i for i in idx if out.errors[i] is not None]
+            if bad:
+                bad_state = not bool(torch.isfinite(logits[bad]).all())
+                message = _sampling_error(out.errors[bad[0]] or "", bad_state)
+                self._fail(targets[idx[0]][0], ErrorKind.REQUEST, message, state_lost=bad_state)
         for idx in by_request.values():
             req = targets[idx[0]][0]
             touched[req.request_id] = req
@@ -300,24 +310,12 @@ class Engine:
                 continue
             try:
                 for i in idx:
-                    token = tokens[i]
-                    assert token is not None
-                    self._append(req, targets[i][1], token, logprobs[i])
+                    self._append(req, targets[i][1], out.tokens[i], out.logprobs[i])
             except Exception as exc:
                 self._fail(req, ErrorKind.REQUEST, f"post-processing failed: {exc}")
                 continue
             if all(c.finished for c in req.completions):
                 self._release(req)
-
-    def _sample_rows(self, logits: torch.Tensor, targets: list[tuple[Request, Completion]]):
-        params = [req.params for req, _ in targets]
-        histories = (
-            [req.prompt_tokens + c.tokens for req, c in targets]
-            if any(p.has_penalties for p in params)
-            else None
-        )
-        out = self.sampler.sample(logits, params, histories, [c.generator for _, c in targets])
-        return out.tokens, out.logprobs
 
     def _append(self, req: Request, c: Completion, token: int, logprob) -> None:
         self.stats.generated_tokens += 1
@@ -521,7 +519,7 @@ class Engine:
             yield from self.step()
 
 
-def _sampling_error(exc: Exception, bad_state: bool) -> str:
+def _sampling_error(detail: str, bad_state: bool) -> str:
     if bad_state:
         return "the model produced non-finite logits for this request (its state is not finite)"
-    return f"its sampling parameters made the logits unusable: {exc}"
+    return f"its sampling parameters made the logits unusable: {detail}"

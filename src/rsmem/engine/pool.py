@@ -42,17 +42,19 @@ class SequencePool:
         """Tokens a free sequence's cached state folds ([] when it caches nothing)."""
         return self._cached.get(seq, [])
 
-    def best_free(self, prompt: list[int]) -> int:
+    def best_free(self, prompt: list[int], avoid: set[int] | frozenset[int] = frozenset()) -> int:
         """The free sequence whose cached state covers most of ``prompt`` (a proper prefix); else one
-        holding no cache; else the one cached longest ago. The pool must have a free sequence."""
+        holding no cache; else the one cached longest ago. Sequences in ``avoid`` are taken last. The
+        pool must have a free sequence."""
+        free = [s for s in self._free if s not in avoid] or list(self._free)
         best, best_len = -1, 0
         for seq, tokens in self._cached.items():
-            if best_len < len(tokens) < len(prompt) and prompt[: len(tokens)] == tokens:
+            if seq in free and best_len < len(tokens) < len(prompt) and prompt[: len(tokens)] == tokens:
                 best, best_len = seq, len(tokens)
         if best >= 0:
             return best
-        uncached = [s for s in self._free if s not in self._cached]
-        return min(uncached) if uncached else next(iter(self._cached))
+        uncached = [s for s in free if s not in self._cached]
+        return min(uncached) if uncached else next(s for s in self._cached if s in free)
 
     def reusable(self, seq: int, prompt: list[int]) -> int:
         """How many of ``prompt``'s tokens ``seq``'s cached state covers (0 unless a proper prefix)."""

@@ -119,6 +119,7 @@ def _normalise_stop(value: object) -> tuple[str, ...]:
 
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 _INT_MAX = 2**31 - 1
 _FLOAT_RANGES: dict[str, tuple[float, float, str]] = {
     "temperature": (0.0, 1e4, "in [0, 1e4] (0 means greedy)"),
@@ -154,7 +155,7 @@ class SamplingParams:
     ====================== ================= ==============================================
     field                  range             off / meaning
     ====================== ================= ==============================================
-    temperature            [0, 1e4]          0: greedy
+    temperature            [0, 1e4]          0 (and anything below 1e-5): greedy
     top_k                  [0, 2**31-1]      0: off
     top_p                  (0, 1]            1: off
     min_p                  [0, 1]            0: off
@@ -218,7 +219,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``GREEDY_BELOW`` pick the argmax, as vLLM does: dividing by them would
+        overflow float32, and what they sample from is the argmax within float precision."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
@@ -249,10 +252,16 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class SamplerOutput:
-    """One token per row; ``logprobs[i]`` is None for rows whose params have ``logprobs=None``."""
+    """One token per row; ``logprobs[i]`` is None for rows whose params have ``logprobs=None``.
+
+    ``errors[i]`` says why row ``i`` could not be sampled (no finite maximum after bias and penalties:
+    every token banned, or non-finite logits); its token is -1 and its generator did not move. Every
+    other row is sampled exactly as it would be alone.
+    """
 
     tokens: list[int]
     logprobs: list[TokenLogprobs | None]
+    errors: list[str | None]
 
 
 History = Sequence[int] | torch.Tensor
@@ -282,22 +291,25 @@ class Sampler:
         _check_batch(logits, params, histories, generators)
         n_rows = logits.shape[0]
         if _plain_greedy(params):
-            # Common case: one argmax and no copy.
-            return SamplerOutput(_argmax(logits.float()), [None] * n_rows)
+            # Common case: one argmax and no copy (NaN counts as the maximum, so the winners tell bad rows).
+            best = torch.argmax(logits, dim=-1, keepdim=True)
+            errors = _row_errors(logits.gather(1, best).squeeze(1).float())
+            tokens = [-1 if e else t for t, e in zip(best.squeeze(1).tolist(), errors, strict=True)]
+            return SamplerOutput(tokens, [None] * n_rows, errors)
         x = _adjusted_logits(logits, params, histories)
-        tokens = [0] * n_rows
-        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        errors = _row_errors(x.amax(dim=-1))  # checked before any row draws
+        tokens = [-1] * n_rows
+        greedy = [i for i, p in enumerate(params) if p.is_greedy and errors[i] is None]
         if greedy:
-            picked = _argmax(x[greedy])
-            for i, t in zip(greedy, picked, strict=True):
+            for i, t in zip(greedy, _argmax(x[greedy]), strict=True):
                 tokens[i] = t
-        stochastic = [i for i, p in enumerate(params) if not p.is_greedy]
+        stochastic = [i for i, p in enumerate(params) if not p.is_greedy and errors[i] is None]
         if stochastic:
             uniforms = _draw_uniforms(stochastic, generators, x.device)
             picked = _sample_stochastic(x[stochastic], [params[i] for i in stochastic], uniforms)
             for i, t in zip(stochastic, picked, strict=True):
                 tokens[i] = t
-        return SamplerOutput(tokens, _logprobs(x, params, tokens))
+        return SamplerOutput(tokens, _logprobs(x, params, tokens, errors), errors)
 
     __call__ = sample
 
@@ -313,6 +325,7 @@ class Sampler:
         """
         _check_batch(logits, params, histories, None)
         x = _adjusted_logits(logits, params, histories)
+        _require_finite(x.amax(dim=-1))
         probs = torch.zeros_like(x)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         if greedy:
@@ -353,20 +366,22 @@ def _plain_greedy(params: Sequence[SamplingParams]) -> bool:
 
 
 def _argmax(x: torch.Tensor) -> list[int]:
-    """Row-wise argmax (first index on ties), refusing rows with no finite maximum."""
-    # torch.max(dim) does not promise the first index among ties; argmax does (and NaN counts as max,
-    # so gathering the winners is enough to catch bad rows without a second pass over V).
-    best = torch.argmax(x, dim=-1, keepdim=True)
-    _require_finite(x.gather(1, best).squeeze(1))
-    return best.squeeze(1).tolist()
+    """Row-wise argmax, the first index on ties (torch.max(dim) does not promise that; argmax does)."""
+    return torch.argmax(x, dim=-1).tolist()
+
+
+def _row_errors(row_max: torch.Tensor) -> list[str | None]:
+    """A row whose maximum is -inf (everything banned), +inf or NaN has no well-defined distribution."""
+    return [
+        None if math.isfinite(m) else f"no usable maximum logit ({m}): every token banned, or non-finite"
+        for m in row_max.tolist()
+    ]
 
 
 def _require_finite(row_max: torch.Tensor) -> None:
-    """A row whose maximum is -inf (everything banned), +inf or NaN has no well-defined distribution."""
-    bad = ~torch.isfinite(row_max)
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(f"logit row {row} has no usable maximum ({float(row_max[row])}); all tokens banned?")
+    bad = [e for e in _row_errors(row_max) if e is not None]
+    if bad:
+        raise ValueError(f"a logit row has {bad[0]}")
 
 
 def _adjusted_logits(
@@ -381,7 +396,6 @@ def _adjusted_logits(
         sub = [params[i] for i in rows]
         counts = token_counts([histories[i] for i in rows], [p.penalty_last_n for p in sub], x.shape[1])
         x[rows] = apply_penalties(x[rows], counts, sub)
-    _require_finite(x.amax(dim=-1))
     return x
 
 
@@ -557,6 +571,7 @@ def apply_top_p(vals: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor)
     before = torch.zeros_like(probs)
     before[:, 1:] = torch.cumsum(probs, dim=-1)[:, :-1]
     keep = (before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
+    keep[:, 0] = True  # the head always survives, even where top_p rounds to 0 in float32
     return vals.masked_fill(~keep, -math.inf)
 
 
@@ -570,8 +585,13 @@ def apply_min_p(vals: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_temperature(vals: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Divide by each row's temperature, last in the chain as in llama.cpp (so truncation sees T=1)."""
-    return vals / vals.new_tensor([p.temperature for p in params]).unsqueeze(1)
+    """Divide by each row's temperature, last in the chain as in llama.cpp (so truncation sees T=1).
+
+    Each row is first shifted by its maximum (softmax does not change), so a small temperature sends
+    the others towards -inf instead of the maximum towards +inf.
+    """
+    shifted = vals - vals.amax(dim=-1, keepdim=True)
+    return shifted / vals.new_tensor([p.temperature for p in params]).unsqueeze(1)
 
 
 def _sample_stochastic(
@@ -617,11 +637,11 @@ def _stochastic_distribution(x: torch.Tensor, params: Sequence[SamplingParams]) 
 
 
 def _logprobs(
-    x: torch.Tensor, params: Sequence[SamplingParams], tokens: Sequence[int]
+    x: torch.Tensor, params: Sequence[SamplingParams], tokens: Sequence[int], errors: Sequence[str | None]
 ) -> list[TokenLogprobs | None]:
-    """Chosen-token and top-N log-probs for the rows that asked, from one batched ``log_softmax``."""
+    """Chosen-token and top-N log-probs for the sampled rows that asked, from one batched ``log_softmax``."""
     out: list[TokenLogprobs | None] = [None] * len(params)
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None and errors[i] is None]
     if not rows:
         return out
     logp = torch.log_softmax(x[rows], dim=-1)
