@@ -302,6 +302,22 @@ def test_sequence_file_with_bad_token_count_is_rejected(tmp_path):
         ctx.state_seq_load_file(path, 0)
 
 
+@pytest.mark.parametrize("token", [-1, 10**9])
+def test_files_with_tokens_outside_the_vocabulary_are_refused_with_memory_unchanged(tmp_path, token):
+    model, ctx = toy_context(n_seq_max=2)
+    decode_seq(ctx, 0, [1, 2])
+    decode_seq(ctx, 1, [3])
+    seq_path, session_path = tmp_path / "s.ggsq", tmp_path / "s.ggsn"
+    ctx.state_seq_save_file(seq_path, 0, [1, token])
+    ctx.state_save_file(session_path, [token])
+    before = snapshot(ctx.memory)
+    with pytest.raises(StateFormatError, match="token 1: id .* outside the vocabulary"):
+        ctx.state_seq_load_file(seq_path, 1)
+    with pytest.raises(StateFormatError, match="token 0: id .* outside the vocabulary"):
+        ctx.state_load_file(session_path)
+    before.assert_same(snapshot(ctx.memory))
+
+
 # ------------------------------------------------------- non-finite states
 
 

@@ -133,7 +133,7 @@ class Context:
         """Restore a 'ggsq' sequence file into ``dest_seq_id``; returns the tokens saved with it."""
         with open(path, "rb") as f:
             data = f.read()
-        return state_io.load_seq_file_bytes(self.memory, data, dest_seq_id)
+        return state_io.load_seq_file_bytes(self.memory, data, dest_seq_id, self.n_vocab)
 
     def state_get_data(self) -> bytes:
         """The whole context's state (every sequence) as bytes."""
@@ -152,4 +152,4 @@ class Context:
     def state_load_file(self, path: str | os.PathLike[str]) -> list[int]:
         with open(path, "rb") as f:
             data = f.read()
-        return state_io.load_session_file_bytes(self.memory, data, self.model.arch)
+        return state_io.load_session_file_bytes(self.memory, data, self.model.arch, self.n_vocab)

@@ -286,7 +286,9 @@ def _tokens_header(magic: int, version: int, tokens: list[int]) -> bytes:
     return struct.pack(f"<III{len(tokens)}i", magic, version, len(tokens), *tokens)
 
 
-def _read_tokens_header(reader: Reader, magic: int, versions: tuple[int, ...], kind: str) -> list[int]:
+def _read_tokens_header(
+    reader: Reader, magic: int, versions: tuple[int, ...], kind: str, n_vocab: int | None
+) -> list[int]:
     got = reader.u32(f"{kind} magic")
     if got != magic:
         raise StateFormatError(f"not a {kind}: magic is {got:#010x}, expected {magic:#010x}")
@@ -296,7 +298,12 @@ def _read_tokens_header(reader: Reader, magic: int, versions: tuple[int, ...], k
     n_tokens = reader.u32("token count")
     if n_tokens * 4 > len(reader.data) - reader.offset:
         raise StateFormatError(f"truncated: {n_tokens} tokens do not fit in the {kind}")
-    return list(reader.unpack(f"{n_tokens}i", "tokens"))
+    tokens = list(reader.unpack(f"{n_tokens}i", "tokens"))
+    if n_vocab is not None:
+        for i, t in enumerate(tokens):
+            if not 0 <= t < n_vocab:
+                raise StateFormatError(f"{kind} token {i}: id {t} is outside the vocabulary [0, {n_vocab})")
+    return tokens
 
 
 def seq_file_bytes(memory: RecurrentMemory, seq_id: int, tokens: list[int]) -> bytes:
@@ -304,11 +311,16 @@ def seq_file_bytes(memory: RecurrentMemory, seq_id: int, tokens: list[int]) -> b
     return _tokens_header(SEQ_FILE_MAGIC, SEQ_FILE_VERSION, tokens) + write_payload(memory, seq_id)
 
 
-def load_seq_file_bytes(memory: RecurrentMemory, data: bytes, dest_seq: int) -> list[int]:
-    """Restore a sequence file's state into ``dest_seq``; returns its tokens."""
+def load_seq_file_bytes(
+    memory: RecurrentMemory, data: bytes, dest_seq: int, n_vocab: int | None = None
+) -> list[int]:
+    """Restore a sequence file's state into ``dest_seq``; returns its tokens (each checked against
+    ``n_vocab`` when given, before anything is applied)."""
     memory.require_seq(dest_seq, "state restore")
     reader = Reader(data)
-    tokens = _read_tokens_header(reader, SEQ_FILE_MAGIC, SEQ_FILE_VERSIONS_READ, "sequence state file")
+    tokens = _read_tokens_header(
+        reader, SEQ_FILE_MAGIC, SEQ_FILE_VERSIONS_READ, "sequence state file", n_vocab
+    )
     payload = parse_payload(reader, memory, dest_seq)
     reader.expect_end()
     restore_payload(memory, payload, dest_seq)
@@ -337,9 +349,11 @@ def session_file_bytes(memory: RecurrentMemory, arch: str, tokens: list[int]) ->
     return _tokens_header(SESSION_MAGIC, SESSION_VERSION, tokens) + context_state_bytes(memory, arch)
 
 
-def load_session_file_bytes(memory: RecurrentMemory, data: bytes, arch: str) -> list[int]:
+def load_session_file_bytes(
+    memory: RecurrentMemory, data: bytes, arch: str, n_vocab: int | None = None
+) -> list[int]:
     reader = Reader(data)
-    tokens = _read_tokens_header(reader, SESSION_MAGIC, (SESSION_VERSION,), "session file")
+    tokens = _read_tokens_header(reader, SESSION_MAGIC, (SESSION_VERSION,), "session file", n_vocab)
     load_context_state(memory, reader, arch)
     return tokens
 
