@@ -235,3 +235,17 @@ def test_seed_minus_one_prints_a_seed_that_reproduces_the_text(fast_load, capsys
     assert main(["generate", "ROMEO:", "-n", "16", "--seed", seeds[0]]) == 0
     again = capsys.readouterr()
     assert again.out == first.out and "[seed:" not in again.err
+
+
+def test_a_state_file_that_does_not_load_names_the_flag_and_file(fast_load, tmp_path, capsys):
+    """Review finding: a corrupt --load-state named neither the flag nor the file."""
+    path = tmp_path / "s.ggsq"
+    assert main(["generate", "ROMEO:", "-n", "2", "--seed", "1", "--save-state", str(path)]) == 0
+    data = bytearray(path.read_bytes())
+    data[-64:] = b"\xff" * 64  # NaN rows at the end of the last layer's state
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["generate", " more", "--load-state", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"rsmem: error: --load-state {path}: ") and "non-finite" in err
+    assert err.count("\n") == 1

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from rsmem.cli.inputs import LineReader, check_input_file, check_output_path, stdin_bytes, stdin_is_terminal
 from rsmem.cli.model import add_model_options, load
-from rsmem.cli.run import Interrupt, report_speed, save_state, stream_request, write_out
+from rsmem.cli.run import Interrupt, open_session, report_speed, save_state, stream_request, write_out
 from rsmem.cli.sampling import add_sampling_options, check_sampling_args, sampling_params
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args, default_stop=DEFAULT_STOP)
     llm = load(args, n_seq_max=1)
     engine = llm.engine
-    session = engine.open_session(args.load_state) if args.load_state else engine.open_session()
+    session = open_session(engine, args.load_state)
     interactive = stdin_is_terminal()
     lines = LineReader(stdin_bytes())
     if interactive:

@@ -20,7 +20,7 @@ from rsmem.cli.inputs import (
     read_prompts,
 )
 from rsmem.cli.model import add_model_options, load
-from rsmem.cli.run import Interrupt, report_speed, save_state, stream_request, write_out
+from rsmem.cli.run import Interrupt, open_session, report_speed, save_state, stream_request, write_out
 from rsmem.cli.sampling import add_sampling_options, check_sampling_args, sampling_params
 from rsmem.errors import RsmemError
 
@@ -83,7 +83,7 @@ def _generate_one(llm: LLM, prompt: str, params: SamplingParams, args: argparse.
     engine = llm.engine
     started = time.perf_counter()
     # a session keeps the sequence (and its state) after the request, for --save-state
-    session = engine.open_session(args.load_state) if (args.load_state or args.save_state) else None
+    session = open_session(engine, args.load_state) if (args.load_state or args.save_state) else None
     if args.load_state and session is not None:
         sys.stderr.write(f"[restored {len(session.tokens)} tokens from {args.load_state}]\n")
     rid = engine.add_request(prompt, params, session=session)

@@ -156,3 +156,13 @@ def write_out(text: str) -> None:
     """Stream generated text to stdout now."""
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def open_session(engine: Engine, load_state: str | None) -> Session:
+    """A session, restored from ``--load-state`` when given; a file that does not load names the flag."""
+    from rsmem.errors import StateFormatError
+
+    try:
+        return engine.open_session(load_state)
+    except StateFormatError as exc:
+        raise RsmemError(f"--load-state {load_state}: {exc}") from exc

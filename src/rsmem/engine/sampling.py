@@ -114,7 +114,7 @@ def _normalise_stop(value: object) -> tuple[str, ...]:
         raise _fail("stop", value, "a tuple of strings") from exc
     for s in stops:
         if not isinstance(s, str) or not s:
-            raise _fail("stop", value, f"a tuple of non-empty strings (bad entry {s!r})")
+            raise _fail("stop", value, f"non-empty strings (bad entry {s!r})")
     return stops  # type: ignore[return-value]  # checked above: every entry is a str
 
 
