@@ -311,9 +311,9 @@ def test_files_with_tokens_outside_the_vocabulary_are_refused_with_memory_unchan
     ctx.state_seq_save_file(seq_path, 0, [1, token])
     ctx.state_save_file(session_path, [token])
     before = snapshot(ctx.memory)
-    with pytest.raises(StateFormatError, match="token 1: id .* outside the vocabulary"):
+    with pytest.raises(StateFormatError, match=r"token 1: id .* outside the vocabulary"):
         ctx.state_seq_load_file(seq_path, 1)
-    with pytest.raises(StateFormatError, match="token 0: id .* outside the vocabulary"):
+    with pytest.raises(StateFormatError, match=r"token 0: id .* outside the vocabulary"):
         ctx.state_load_file(session_path)
     before.assert_same(snapshot(ctx.memory))
 
