@@ -334,6 +334,7 @@ def test_a_request_pinned_to_a_busy_slot_does_not_block_the_queue():
     assert engine.snapshot().waiting == 1
     engine.abort(long)
     done.update(run_all(engine))
-    assert done[pinned].error is None and done[pinned].outputs[0].token_ids == alone(
-        [3, 4], SamplingParams.greedy(max_tokens=2)
-    )[0]
+    assert (
+        done[pinned].error is None
+        and done[pinned].outputs[0].token_ids == alone([3, 4], SamplingParams.greedy(max_tokens=2))[0]
+    )
