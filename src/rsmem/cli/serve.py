@@ -23,7 +23,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
     serve.add_argument("--alias", help="model name reported by /v1/models")
     serve.add_argument(
-        "--no-prompt-cache", action="store_true", help="free a slot's state when a request ends"
+        "--no-prompt-cache",
+        action="store_true",
+        help="free a slot's state when a request ends, and keep no checkpoints",
+    )
+    serve.add_argument(
+        "--cache-ram",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="MiB of checkpoints in the prefix cache shared by all slots (default 1024; 0: none)",
+    )
+    serve.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=256,
+        metavar="N",
+        help="also checkpoint every N tokens of a long prompt (default 256; 0: off)",
+    )
+    serve.add_argument(
+        "--checkpoint-codec",
+        choices=["exact", "bf16", "int8"],
+        default="exact",
+        help="how checkpoints are stored: exact (the state's dtype), bf16 or int8 (default exact)",
     )
     serve.add_argument(
         "--cors-origin",

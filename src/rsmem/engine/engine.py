@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from rsmem.context import Context
+from rsmem.engine.checkpoints import CheckpointCache
 from rsmem.engine.kept import KeptSequences
 from rsmem.engine.pool import SequencePool
 from rsmem.engine.reports import cut_at_stop, report
@@ -62,7 +63,13 @@ class Engine:
         prompt_cache: bool = False,
         max_prompt_tokens: int | None = None,
         max_tokens_limit: int | None = None,
+        cache_bytes: int = 0,
+        checkpoint_interval: int = 0,
+        checkpoint_codec: str = "exact",
     ) -> None:
+        """``cache_bytes`` > 0 keeps a prefix cache of checkpoints of that many bytes (see
+        ``engine/checkpoints.py``), also every ``checkpoint_interval`` prompt tokens, in
+        ``checkpoint_codec``."""
         self.ctx = context
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens or context.n_batch
@@ -81,6 +88,11 @@ class Engine:
         self.stats = EngineStats()
         self.health = Health()
         self.kept = KeptSequences(context, self.pool)
+        self.checkpoints = (
+            CheckpointCache(context.memory, cache_bytes, interval=checkpoint_interval, codec=checkpoint_codec)
+            if cache_bytes > 0
+            else None
+        )
         self.builder = RequestBuilder(self.limits, tokenizer)
 
     @property
@@ -97,6 +109,7 @@ class Engine:
         *,
         session: Session | None = None,
         slot: int | None = None,
+        boundaries: Sequence[int] = (),
     ) -> str:
         """Queue a prompt (text, or token ids); returns its request id.
 
@@ -105,6 +118,7 @@ class Engine:
         processed) and the state is kept when the request ends; ``n`` must then be 1.
         """
         req = self._build(prompt, params or SamplingParams(), request_id, session, slot, set())
+        req.boundaries = tuple(boundaries)
         self._queue(req)
         return req.request_id
 
@@ -245,6 +259,13 @@ class Engine:
             self.waiting.remove(req)
             if req.session is None:
                 req.n_cached = req.n_prefilled = pool.take(first, req.prompt_tokens)
+                if self.checkpoints is not None:
+                    restored = self.checkpoints.restore_best(req.prompt_tokens, first, req.n_prefilled)
+                    if restored:
+                        req.n_cached = req.n_prefilled = restored
+                    req.checkpoint_at = self.checkpoints.positions(
+                        req.prompt_tokens, req.n_prefilled, req.boundaries
+                    )
                 self.stats.cached_prompt_tokens += req.n_cached
             req.completions[0].seq_id = first
             for c in req.completions[1:]:
@@ -266,6 +287,8 @@ class Engine:
                 continue
             req.n_prefilled += part.n_tokens
             self.stats.prompt_tokens += part.n_tokens
+            if self.checkpoints is not None and req.n_prefilled in req.checkpoint_at:
+                self.checkpoints.take(req.prompt_tokens[: req.n_prefilled], req.prefill_seq, "prompt")
             if part.output:  # the prompt is in
                 for other in req.completions[1:]:
                     self.ctx.memory.seq_cp(req.prefill_seq, other.seq_id)
@@ -402,6 +425,8 @@ class Engine:
         folded: list[int] | None = None
         if cache and (c.index == 0 or req.phase is Phase.DECODE):
             folded = req.prompt_tokens[: req.n_prefilled] + c.tokens[:-1]
+            if self.checkpoints is not None and c.index == 0 and folded and req.session is None:
+                self.checkpoints.take(folded, c.seq_id, "end")
         # else: a failure, or a fork whose prompt never finished (nothing in its sequence)
         self.pool.release(c.seq_id, folded)
         c.seq_id = -1
@@ -503,7 +528,21 @@ class Engine:
             cells_total=memory.size,
             health=health,
             health_reason=reason,
+            **self._cache_figures(),
         )
+
+    def _cache_figures(self) -> dict[str, int]:
+        cache = self.checkpoints
+        if cache is None:
+            return {}
+        return {
+            "cache_entries": len(cache),
+            "cache_bytes": cache.nbytes,
+            "cache_evictions": cache.tree.stats.evictions,
+            "checkpoints_taken": cache.stats.taken,
+            "checkpoint_restores": cache.stats.restored,
+            "checkpoint_tokens": cache.stats.restored_tokens,
+        }
 
     def active_cells(self) -> int:
         """Cells held by running requests and sessions (the rest of ``memory.used`` is cache)."""

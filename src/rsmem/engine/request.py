@@ -81,6 +81,8 @@ class Request:
     n_cached: int = 0  # prompt tokens a cached state covered (never processed)
     error_kind: ErrorKind | None = None
     suspect: bool = False  # in a batch the model failed on: runs alone until it produces output
+    boundaries: tuple[int, ...] = ()  # prompt positions worth a checkpoint (e.g. chat message ends)
+    checkpoint_at: list[int] = field(default_factory=list)  # prompt positions to checkpoint, sorted
 
     @property
     def finished(self) -> bool:

@@ -55,6 +55,9 @@ def plan_step(running: list[Request], budget: int) -> list[Planned]:
             plan.append(Planned(req, c0, n, False))
             continue
         n = min(budget, len(req.prompt_tokens) - req.n_prefilled)
+        stop = next((p for p in req.checkpoint_at if p > req.n_prefilled), None)
+        if stop is not None:  # a chunk ends where a checkpoint is to be taken
+            n = min(n, stop - req.n_prefilled)
         budget -= n
         plan.append(Planned(req, None, n, req.n_prefilled + n == len(req.prompt_tokens)))
     return plan

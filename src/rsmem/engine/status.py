@@ -82,3 +82,9 @@ class EngineSnapshot:
     cells_total: int
     health: str
     health_reason: str | None
+    cache_entries: int = 0  # checkpoints in the prefix cache
+    cache_bytes: int = 0
+    cache_evictions: int = 0
+    checkpoints_taken: int = 0
+    checkpoint_restores: int = 0  # requests that started from a checkpoint
+    checkpoint_tokens: int = 0  # prompt tokens those checkpoints covered

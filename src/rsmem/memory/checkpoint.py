@@ -58,6 +58,14 @@ class Checkpoint:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in (*self.r_rows, *self.s_rows) if e is not None)
 
+    def is_finite(self) -> bool:
+        """No NaN or inf in any row (int8 rows are finite when their scales are)."""
+        return all(
+            bool(torch.isfinite(e.data if e.scales is None else e.scales).all())
+            for e in (*self.r_rows, *self.s_rows)
+            if e is not None
+        )
+
 
 def take(memory: RecurrentMemory, seq_id: int, codec: str = "exact") -> Checkpoint | None:
     """A copy of ``seq_id``'s state, or None when the sequence holds none."""

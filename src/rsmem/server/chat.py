@@ -32,7 +32,7 @@ class ChatTemplate:
     def stop(self) -> tuple[str, ...]:
         return () if self.source else PLAIN_STOP
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         if self.source:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -40,10 +40,28 @@ class ChatTemplate:
             template = env.from_string(self.source)
             return template.render(
                 messages=messages,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
+        return "".join(self._plain_parts(messages)) + ("Assistant:" if add_generation_prompt else "")
+
+    def message_prefixes(self, messages: list[dict[str, str]]) -> list[str]:
+        """The rendered conversation up to the end of each message (no generation prompt): where the
+        prefix cache keeps checkpoints, so the next turn re-sending them computes only what is new."""
+        if self.source:
+            prefixes = []
+            for k in range(1, len(messages) + 1):
+                try:  # a template may refuse a partial conversation: no checkpoint there, then
+                    prefixes.append(self.render(messages[:k], add_generation_prompt=False))
+                except Exception:
+                    continue
+            return prefixes
+        parts = self._plain_parts(messages)
+        return ["".join(parts[:k]) for k in range(1, len(parts) + 1)]
+
+    @staticmethod
+    def _plain_parts(messages: list[dict[str, str]]) -> list[str]:
         parts = []
         for m in messages:
             if m["role"] == "system":
@@ -52,8 +70,7 @@ class ChatTemplate:
                 parts.append(f"Assistant: {m['content']}\n")
             else:
                 parts.append(f"User: {m['content']}\n")
-        parts.append("Assistant:")
-        return "".join(parts)
+        return parts
 
 
 def load_chat_template(model_path: str | Path) -> str | None:

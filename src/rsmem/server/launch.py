@@ -53,6 +53,9 @@ class ServeOptions:
     log_level: str = "warning"
     cors_origins: tuple[str, ...] = ()
     shutdown_timeout: float = 5.0
+    cache_ram: int = 1024  # MiB of checkpoints in the prefix cache (0: none)
+    checkpoint_interval: int = 256  # also checkpoint every this many prompt tokens (0: off)
+    checkpoint_codec: str = "exact"
     model_path: Path | None = None  # the model file (names a request may use, chat template); None: embedded
 
     @classmethod
@@ -77,6 +80,12 @@ class ServeOptions:
             raise RsmemError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         if not 0 <= self.port <= 65535:
             raise RsmemError(f"--port {self.port}: a port is 0 to 65535")
+        if self.cache_ram < 0:
+            raise RsmemError(f"--cache-ram {self.cache_ram}: must be >= 0 (MiB; 0 turns the cache off)")
+        if self.checkpoint_interval < 0:
+            raise RsmemError(f"--checkpoint-interval {self.checkpoint_interval}: must be >= 0 (0: off)")
+        if self.checkpoint_codec not in ("exact", "bf16", "int8"):
+            raise RsmemError(f"--checkpoint-codec {self.checkpoint_codec!r}: use exact, bf16 or int8")
         if self.shutdown_timeout < 0:
             raise RsmemError(f"--shutdown-timeout {self.shutdown_timeout}: must be >= 0")
 
@@ -112,6 +121,9 @@ def build_app(llm: LLM, options: ServeOptions) -> ServerApp:
         prompt_cache=not options.no_prompt_cache,
         max_prompt_tokens=options.max_prompt_tokens,
         max_tokens_limit=options.max_tokens_limit,
+        cache_bytes=0 if options.no_prompt_cache else options.cache_ram << 20,
+        checkpoint_interval=options.checkpoint_interval,
+        checkpoint_codec=options.checkpoint_codec,
     )
     settings = ServerSettings(
         model_name=options.alias or path.stem,

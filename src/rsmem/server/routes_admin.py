@@ -110,6 +110,31 @@ async def metrics(request: Request) -> PlainTextResponse:
         ),
         _metric("rsmem_memory_cells_total", "gauge", "Memory cells (= parallel slots).", m.cells_total),
         _metric(
+            "rsmem_prefix_cache_checkpoints", "gauge", "Checkpoints in the prefix cache.", m.cache_entries
+        ),
+        _metric(
+            "rsmem_prefix_cache_bytes", "gauge", "Bytes of checkpoints in the prefix cache.", m.cache_bytes
+        ),
+        _metric(
+            "rsmem_prefix_cache_evictions_total",
+            "counter",
+            "Checkpoints evicted for room.",
+            m.cache_evictions,
+        ),
+        _metric("rsmem_checkpoints_taken_total", "counter", "Checkpoints taken.", m.checkpoints_taken),
+        _metric(
+            "rsmem_checkpoint_restores_total",
+            "counter",
+            "Requests that started from a checkpoint of the prefix cache.",
+            m.checkpoint_restores,
+        ),
+        _metric(
+            "rsmem_checkpoint_tokens_total",
+            "counter",
+            "Prompt tokens covered by restored checkpoints (not computed).",
+            m.checkpoint_tokens,
+        ),
+        _metric(
             "rsmem_healthy", "gauge", "1 when health is ok, 0.5 when degraded, 0 on error.", _health_value(m)
         ),
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -30,11 +31,18 @@ router = APIRouter()
 
 
 async def submit(
-    state: AppState, prompts: list[Prompt], params: SamplingParams, slot: int | None, id_prefix: str
+    state: AppState,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    slot: int | None,
+    id_prefix: str,
+    boundaries: Sequence[int] = (),
 ) -> Submission:
     """Hand the prompts to the engine together (all or none); its refusals become 400/503 answers."""
     try:
-        return await state.runner.submit(prompts, params, slot=slot, id_prefix=id_prefix)
+        return await state.runner.submit(
+            prompts, params, slot=slot, id_prefix=id_prefix, boundaries=boundaries
+        )
     except QueueFullError as exc:
         raise ApiError(
             503,
@@ -116,17 +124,41 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     ]
     try:
         prompt = template.render(messages)
+        prefixes = template.message_prefixes(messages)
     except Exception as exc:  # a model's own Jinja template may refuse a conversation
         raise ApiError(400, f"the chat template failed: {exc}", param="messages") from exc
     max_tokens = body.max_completion_tokens or body.max_tokens or state.settings.chat_max_tokens
     params = sampling_params(body, max_tokens, template.stop)
-    sub = await submit(state, [prompt], params, slot_of(body), "chatcmpl")
+    tokens, boundaries = message_boundaries(state, prompt, prefixes)
+    sub = await submit(state, [tokens], params, slot_of(body), "chatcmpl", boundaries)
     env = Envelope(sub.request_ids[0], int(time.time()), state.settings.model_name, sub.request_ids, body.n)
     if body.stream:
         fmt = ChatChunks(env, state.token_text, include_usage(body))
         return event_stream(state, sub, fmt, include_usage(body))
     outs = await collect(request, state.runner, sub)
     return JSONResponse(env.wrap("chat.completion", chat_choices(state, outs[0]), usage=usage(outs)))
+
+
+def message_boundaries(
+    state: AppState, prompt: str, prefixes: list[str]
+) -> tuple[str | list[int], list[int]]:
+    """The prompt's tokens and, for the prefix cache, where each message ends in them: the longest
+    common prefix of the prompt's tokens and each rendered prefix's (a merge across the boundary moves
+    it back, never past it). Without a tokenizer the text goes as it is, with no boundaries."""
+    tok = state.tokenizer
+    if tok is None:
+        return prompt, []
+    tokens = tok.encode(prompt)
+    if not tokens:
+        return prompt, []
+    boundaries = []
+    for text in prefixes:
+        part = tok.encode(text)
+        n = 0
+        while n < min(len(part), len(tokens)) and part[n] == tokens[n]:
+            n += 1
+        boundaries.append(n)
+    return tokens, boundaries
 
 
 def chat_choices(state: AppState, out: RequestOutput) -> list[dict[str, Any]]:

@@ -207,6 +207,7 @@ class EngineRunner:
         *,
         slot: int | None = None,
         id_prefix: str = "cmpl",
+        boundaries: Sequence[int] = (),
     ) -> Submission:
         """Queue several prompts together (checked by the engine, all or none); returns their ids
         (``{prefix}-{hex}``, with ``-{k}`` per prompt when there are several) and their report queue.
@@ -232,7 +233,7 @@ class EngineRunner:
             if queued + needed > self.max_queue:
                 raise QueueFullError(f"all {snap.n_slots} slots are busy and {max(queued, 0)} requests wait")
             if len(prompts) == 1:  # add_requests would name it "prompt 0" in its errors
-                self.engine.add_request(prompts[0], params, ids[0], slot=slot)
+                self.engine.add_request(prompts[0], params, ids[0], slot=slot, boundaries=boundaries)
             else:
                 self.engine.add_requests(list(prompts), params, request_ids=ids, slot=slot)
             for rid in ids:

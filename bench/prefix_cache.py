@@ -1,0 +1,208 @@
+"""The prefix cache against the exact-extension cache and no cache, through ``/v1/chat/completions``.
+
+Three servers over the same model, run one after another in interleaved rounds (same seeds, greedy,
+so the same outputs): ``none`` (``--no-prompt-cache``), ``extension`` (a slot's state serves only a
+prompt that extends its exact tokens: ``--cache-ram 0``) and ``checkpoints`` (the prefix cache).
+Workloads:
+
+- ``chat``: C conversations x T turns sharing a long system prompt; each turn re-sends the whole
+  conversation as text (as chat clients do) and the model's answer is re-tokenised from text;
+- ``regenerate``: the same, and each turn is also asked again (a user pressing "regenerate");
+- ``fanout``: B branches from one long context, each adding a different question.
+
+Reported per server: prompt tokens computed (not served from a cache), the share of re-sent prompt
+tokens served from a cache from the second turn on, TTFT p50/p99 (streamed), TTFT of the last turn over
+the second, and the cache's bytes.
+
+Run: .venv/bin/python bench/prefix_cache.py [--rounds 2] [--conversations 16] [--turns 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import uvicorn
+
+from rsmem.engine import LLM, default_model_path
+from rsmem.server import ServeOptions, build_app
+
+SENTENCE = "Now is the winter of our discontent made glorious summer by this sun of York. "
+QUESTIONS = ["Who art thou?", "Whence comest thou?", "What news?", "Why weep you?", "Where is the king?"]
+SERVERS = {
+    "none": {"no_prompt_cache": True},
+    "extension": {"cache_ram": 0},
+    "checkpoints": {},
+}
+
+
+@dataclass
+class Tally:
+    ttft: list[float] = field(default_factory=list)
+    ttft_by_turn: dict[int, list[float]] = field(default_factory=dict)
+    prompt: int = 0
+    cached: int = 0
+    resent: int = 0  # prompt tokens of turns >= 2 that the previous turn also sent
+    resent_cached: int = 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def ask(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> tuple:
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0, ttft, text, usage = time.perf_counter(), None, "", {}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                if choice["delta"].get("content"):
+                    ttft = ttft or time.perf_counter() - t0
+                    text += choice["delta"]["content"]
+    return ttft or time.perf_counter() - t0, text, usage
+
+
+def record(tally: Tally, turn: int, ttft: float, usage: dict, previous_prompt: int) -> None:
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    tally.ttft.append(ttft)
+    tally.ttft_by_turn.setdefault(turn, []).append(ttft)
+    tally.prompt += usage["prompt_tokens"]
+    tally.cached += cached
+    if turn >= 1:
+        tally.resent += previous_prompt
+        tally.resent_cached += min(cached, previous_prompt)
+
+
+async def conversation(client, url, k: int, turns: int, system: str, tally: Tally, regenerate: bool):
+    messages = [{"role": "system", "content": system}]
+    previous = 0
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"{QUESTIONS[(k + turn) % len(QUESTIONS)]} ({k}.{turn})"})
+        ttft, text, usage = await ask(client, url, messages, 12)
+        record(tally, turn, ttft, usage, previous)
+        if regenerate:
+            ttft, text, usage = await ask(client, url, messages, 12)
+            record(tally, turn, ttft, usage, usage["prompt_tokens"])
+        previous = usage["prompt_tokens"]
+        messages.append({"role": "assistant", "content": text})
+
+
+async def fanout(client, url, branches: int, context: str, tally: Tally) -> None:
+    base = [{"role": "system", "content": context}, {"role": "user", "content": "Tell the tale."}]
+    ttft, text, usage = await ask(client, url, base, 12)
+    record(tally, 0, ttft, usage, 0)
+    shared = [*base, {"role": "assistant", "content": text}]
+    for b in range(branches):
+        ttft, _, usage = await ask(client, url, [*shared, {"role": "user", "content": QUESTIONS[b % 5]}], 12)
+        record(tally, 1, ttft, usage, usage["prompt_tokens"])
+
+
+def serve(llm: LLM, options: dict):
+    served = build_app(llm, ServeOptions(max_tokens_limit=64, max_prompt_tokens=8192, **options))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(served.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{port}", server, thread, served
+
+
+async def run_workload(url: str, workload: str, args, system: str) -> Tally:
+    tally = Tally()
+    async with httpx.AsyncClient(timeout=600) as client:
+        if workload == "fanout":
+            await fanout(client, url, args.branches, system, tally)
+        else:
+            sem = asyncio.Semaphore(args.parallel)
+
+            async def one(k: int) -> None:
+                async with sem:
+                    await conversation(client, url, k, args.turns, system, tally, workload == "regenerate")
+
+            await asyncio.gather(*(one(k) for k in range(args.conversations)))
+    return tally
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100)[q - 1] if len(xs) >= 2 else xs[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--branches", type=int, default=8)
+    ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--system-words", type=int, default=600, help="~1.6 tokens a word with the default model")
+    ap.add_argument("--workloads", nargs="+", default=["chat", "regenerate", "fanout"])
+    args = ap.parse_args()
+    llm = LLM(default_model_path(), n_seq_max=args.parallel, n_batch=512)
+    words = SENTENCE.split()
+    system = " ".join(words[i % len(words)] for i in range(args.system_words))
+    results: dict[tuple[str, str], list[tuple[Tally, int]]] = {}
+    for r in range(args.rounds):
+        for workload in args.workloads:
+            for name, options in SERVERS.items():
+                url, server, thread, served = serve(llm, options)
+                try:
+                    tally = asyncio.run(run_workload(url, workload, args, system))
+                    snap = served.runner.engine.snapshot()
+                    results.setdefault((workload, name), []).append((tally, snap.cache_bytes))
+                finally:
+                    server.should_exit = True
+                    thread.join(timeout=30)
+                    served.runner.stop()
+                    llm.context.memory.clear()
+                print(f"round {r + 1}: {workload:<10} {name:<11} done", flush=True)
+    print(
+        "\n| workload | server | prompt tokens computed | re-sent from cache | TTFT p50 | TTFT p99 "
+        "| TTFT last/2nd turn | cache MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for (workload, name), runs in results.items():
+        computed = [t.prompt - t.cached for t, _ in runs]
+        share = [t.resent_cached / t.resent if t.resent else 0.0 for t, _ in runs]
+        p50 = [pct(t.ttft, 50) for t, _ in runs]
+        p99 = [pct(t.ttft, 99) for t, _ in runs]
+        turns = sorted(runs[0][0].ttft_by_turn)
+        ratio = [
+            statistics.median(t.ttft_by_turn[turns[-1]]) / statistics.median(t.ttft_by_turn[turns[1]])
+            for t, _ in runs
+            if len(turns) > 1
+        ]
+        mb = max(b for _, b in runs) / 1e6
+        print(
+            f"| {workload} | {name} | {statistics.median(computed):.0f} ({min(computed)}-{max(computed)}) "
+            f"| {statistics.median(share):.1%} (min {min(share):.1%}) "
+            f"| {statistics.median(p50) * 1e3:.0f} ms (max {max(p50) * 1e3:.0f}) "
+            f"| {statistics.median(p99) * 1e3:.0f} ms (max {max(p99) * 1e3:.0f}) "
+            f"| {statistics.median(ratio) if ratio else float('nan'):.2f} | {mb:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
