@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 from collections.abc import Sequence
 
 import torch
+
+from rsmem import settings
 
 ALIGN = 64  # bytes between matrices in the arena: a cache line, what vector loads like
 HUGE_PAGE = 2 << 20
@@ -28,7 +29,7 @@ MIN_BYTES = 16 << 20  # below this the copies are not worth it (and the small de
 
 
 def _enabled() -> bool:
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("RSMEM_HUGEPAGES") != "0"
+    return hasattr(mmap, "MADV_HUGEPAGE") and settings.hugepages_enabled()
 
 
 def _arena(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:

@@ -23,13 +23,14 @@ torch's per-function recompile limit to ``RECOMPILE_LIMIT`` (a process-wide dyna
 
 from __future__ import annotations
 
-import os
 import shutil
 import warnings
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import torch
+
+from rsmem import settings
 
 # Models with fewer matrix weights than this decode eagerly under "auto" (the default model has ~2.5M).
 AUTO_MIN_WEIGHTS = 16 << 20
@@ -46,14 +47,13 @@ CompileSetting = bool | str | None
 
 def has_cxx_compiler() -> bool:
     """Whether inductor can build its C++ kernels here (``$CXX``, else ``g++``, ``c++`` or ``clang++``)."""
-    candidates = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
-    return any(c and shutil.which(c) for c in candidates)
+    return any(c and shutil.which(c) for c in settings.cxx_candidates())
 
 
 def resolve_compile(setting: CompileSetting, n_matrix_weights: int, device: torch.device) -> bool:
     """The decision for one model: ``setting`` (None reads ``RSMEM_COMPILE``, default ``"auto"``)."""
     if setting is None:
-        setting = os.environ.get("RSMEM_COMPILE", "auto")
+        setting = settings.compile_setting()
     if isinstance(setting, str):
         value = setting.strip().lower()
         if value in ("1", "true", "on", "yes"):

@@ -14,10 +14,9 @@ compiled reductions (:func:`rsmem.models.ops.fused.gemv`), faster still.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from rsmem import settings
 from rsmem.models.ops.common import linear, transposed
 
 PACK_ROWS = 8  # the row count oneDNN picks its blocking for; any count runs, 8..512 all gain
@@ -25,7 +24,7 @@ PACK_ROWS = 8  # the row count oneDNN picks its blocking for; any count runs, 8.
 
 def packing_enabled() -> bool:
     return (
-        os.environ.get("RSMEM_ONEDNN", "1") != "0"
+        settings.onednn_enabled()
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
