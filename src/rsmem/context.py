@@ -5,6 +5,10 @@
 dry run, then each micro-batch is placed (``apply``) and run through the model; the logits of the
 batch's output tokens are kept for ``get_logits``. An invalid batch raises ``InvalidBatchError`` and a
 batch the memory cannot place raises ``NoSlotError``; in both cases nothing has changed.
+
+``n_rs_seq = K`` (llama.cpp's context parameter) lets ``memory.seq_rm(s, p0, -1)`` remove up to the last K
+positions of a sequence exactly: the Context lends the memory its model to replay the tokens between a
+snapshot and ``p0 - 1`` (see :mod:`rsmem.memory.rollback`). 0, the default, keeps none of it.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ import os
 import torch
 
 from rsmem.batch.allocator import BatchAllocator
-from rsmem.batch.batch import Batch
+from rsmem.batch.batch import Batch, UBatch
 from rsmem.errors import InvalidBatchError, NoSlotError
 from rsmem.memory import state_io
 from rsmem.memory.context import MemoryStatus
 from rsmem.memory.recurrent import RecurrentMemory, StateShape
+from rsmem.memory.rollback import ScratchState
 from rsmem.models.protocol import RecurrentModel
 
 
@@ -34,6 +39,7 @@ class Context:
         n_ubatch: int = 512,
         state_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        n_rs_seq: int = 0,
     ) -> None:
         if n_batch < 1 or n_ubatch < 1:
             raise ValueError(f"n_batch and n_ubatch must be positive, got {n_batch} and {n_ubatch}")
@@ -46,7 +52,10 @@ class Context:
             dtype=state_dtype,
             device=device,
             layer_filter=model.is_recurrent_layer,
+            n_rs_seq=n_rs_seq,
         )
+        if self.memory.rollback is not None:
+            self.memory.rollback.bind(self._replay, self.n_ubatch)
         self._balloc = BatchAllocator()
         self._logits = torch.empty(0, model.n_vocab)
         self._output_row: dict[int, int] = {}  # batch index -> row of _logits
@@ -58,6 +67,16 @@ class Context:
     @property
     def n_vocab(self) -> int:
         return self.model.n_vocab
+
+    @property
+    def n_rs_seq(self) -> int:
+        """How many trailing positions ``memory.seq_rm`` may cut (``llama_n_rs_seq``)."""
+        return self.memory.n_rs_seq
+
+    def _replay(self, ubatch: UBatch, states: ScratchState) -> None:
+        """Fold a rollback's replay tokens into a scratch state (no logits are kept)."""
+        with torch.inference_mode():
+            self.model.forward(ubatch, states)
 
     # ---------------------------------------------------------------- decode
 

@@ -197,12 +197,14 @@ class BatchAllocator:
                 cur = mask
         return self._take(idxs, n_seqs=1, equal_seqs=True)
 
-    def split_equal(self, n_ubatch: int, sequential: bool = False) -> UBatch | None:
+    def split_equal(self, n_ubatch: int, sequential: bool = False, tail_apart: int = 0) -> UBatch | None:
         """The same number of tokens from each of several disjoint sequence sets.
 
         Sets join in order of their first unused token; with ``sequential`` only consecutive primary
         seq ids may join (llama.cpp's setting for unified caches). Each set contributes tokens in order;
-        at most ``n_ubatch`` tokens and ``n_ubatch`` sets are taken.
+        at most ``n_ubatch`` tokens and ``n_ubatch`` sets are taken. With ``tail_apart = K``, the last K
+        tokens of a set never share a micro-batch with its earlier ones, so one ends K tokens before the
+        set's last (where the memory's rollback takes a snapshot).
         """
         if n_ubatch < 1:
             raise ValueError(f"n_ubatch must be at least 1, got {n_ubatch}")
@@ -225,7 +227,8 @@ class BatchAllocator:
         if not sets:
             return None
         pending = [[i for i in self._seq_set_tokens[m] if not self._used[i]] for m in sets]
-        n_per_set = min(min(len(p) for p in pending), max(1, n_ubatch // len(sets)))
+        caps = [len(p) - tail_apart if len(p) > tail_apart else len(p) for p in pending]
+        n_per_set = min(min(caps), max(1, n_ubatch // len(sets)))
         idxs = [i for p in pending for i in p[:n_per_set]]
         return self._take(idxs, n_seqs=len(sets), equal_seqs=True)
 

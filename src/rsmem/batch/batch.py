@@ -70,6 +70,21 @@ class UBatch:
     equal_seqs: bool
     _token_tensor: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
 
+    @classmethod
+    def of_sequence(cls, seq_id: int, tokens: Sequence[int], first_pos: int) -> UBatch:
+        """One sequence's tokens at ``first_pos, first_pos + 1, ...``, with no outputs (a replay)."""
+        n = len(tokens)
+        return cls(
+            tokens=tuple(tokens),
+            pos=tuple(range(first_pos, first_pos + n)),
+            seq_ids=((seq_id,),) * n,
+            outputs=(False,) * n,
+            batch_index=tuple(range(n)),
+            n_seqs=1,
+            n_seq_tokens=n,
+            equal_seqs=True,
+        )
+
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)

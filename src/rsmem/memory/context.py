@@ -2,7 +2,8 @@
 
 ``init_batch`` builds it after a successful dry run; the caller then loops ``apply()`` -> model forward
 -> ``next()``. It is also what a model forward receives: it exposes the placement of the current
-micro-batch (``head``, ``n_rs``, ``rs_z``, ``s_copy``) and gathers and scatters the state rows.
+micro-batch (``head``, ``n_rs``, ``rs_z``, ``s_copy``) and gathers and scatters the state rows. With a
+rollback history, ``apply`` and ``next`` also tell it what each micro-batch did.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class RecurrentMemoryContext:
         self.status = status
         self.is_full = is_full
         self._i = 0
+        self._applied = -1  # the micro-batch apply() placed last
+        self._final_pos: dict[int, int] | None = None  # each sequence's last position in the batch
         self._copy_index: torch.Tensor | None = None
         self._moved_dst = self._moved_src = torch.empty(0, dtype=torch.long)  # rows to move, and from where
         self._zero_needed = False  # some cell reads the zero row rs_z
@@ -48,7 +51,11 @@ class RecurrentMemoryContext:
     # ------------------------------------------------------------ the plan
 
     def next(self) -> bool:
-        """Move to the next micro-batch; False when there is none left."""
+        """The current micro-batch was computed: record it in the rollback history (if any), then move
+        to the next one; False when there is none left."""
+        rollback = self.memory.rollback
+        if rollback is not None and self._applied == self._i < len(self.ubatches):
+            rollback.after_ubatch(self.memory, self.ubatches[self._i], self.final_positions())
         self._i += 1
         self._copy_index = None
         return self._i < len(self.ubatches)
@@ -60,13 +67,24 @@ class RecurrentMemoryContext:
         if not self.ubatches:  # an update (NO_UPDATE) or a full context: nothing to place
             return True
         self._copy_index = None
+        if self.memory.rollback is not None:
+            self.memory.rollback.before_ubatch(self.memory, self.ubatches[self._i])
         if not self.memory.find_slot(self.ubatches[self._i]):
             raise RuntimeError("find_slot failed after a successful prepare (bookkeeping bug)")
+        self._applied = self._i
         return True
 
     @property
     def ubatch(self) -> UBatch:
         return self.ubatches[self._i]
+
+    def final_positions(self) -> dict[int, int]:
+        """Each sequence's last position in the whole batch (the first id of each sequence set)."""
+        if self._final_pos is None:
+            self._final_pos = {
+                ub.seq_set(s)[0]: ub.last_pos(s) for ub in self.ubatches for s in range(ub.n_seqs)
+            }
+        return self._final_pos
 
     # ---------------------------------------------------- placement queries
 

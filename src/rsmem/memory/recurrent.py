@@ -7,6 +7,9 @@ it on the next write), and every sequence operation keeps llama.cpp's semantics 
 The metadata lives in a :class:`~rsmem.memory.cells.CellTable`; this class owns the tensors and the
 operations. Data never moves here: ``find_slot`` only stages, per cell, the row its state must be read
 from (``src0``), and the model's gather through the memory context performs the move.
+
+With ``n_rs_seq = K > 0`` a :class:`~rsmem.memory.rollback.RollbackHistory` lets ``seq_rm`` cut a
+sequence's last K positions exactly (see :mod:`rsmem.memory.rollback`); with 0 nothing of it exists.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from rsmem.errors import UnknownSequenceError
 from rsmem.hugepages import huge_page_zeros
 from rsmem.memory.cells import CellTable
 from rsmem.memory.context import MemoryStatus, RecurrentMemoryContext
+from rsmem.memory.rollback import RollbackHistory
 
 POS_MAX = 2**31 - 1  # llama_pos is int32; p1 < 0 means "to the end"
 
@@ -39,7 +43,9 @@ class RecurrentMemory:
     """Cells of recurrent state, one per sequence at most, with llama.cpp's sequence operations.
 
     ``size = max(1, n_seq_max)``; seq ids are in ``[0, size)``. ``layer_filter(il)`` returning False
-    leaves layer ``il`` without state (hybrid models keep attention layers elsewhere).
+    leaves layer ``il`` without state (hybrid models keep attention layers elsewhere). ``n_rs_seq``:
+    how many trailing positions ``seq_rm`` may cut (0: none, llama.cpp's recurrent memory); cuts need a
+    model bound to ``rollback`` (the Context does it).
     """
 
     def __init__(
@@ -50,9 +56,12 @@ class RecurrentMemory:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         layer_filter: Callable[[int], bool] | None = None,
+        n_rs_seq: int = 0,
     ) -> None:
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"state dtype must be float32, float16 or bfloat16, got {dtype}")
+        if n_rs_seq < 0:
+            raise ValueError(f"n_rs_seq must be 0 or more, got {n_rs_seq}")
         self.shape = shape
         self.n_seq_max = max(1, n_seq_max)
         self.size = self.n_seq_max
@@ -69,6 +78,7 @@ class RecurrentMemory:
         self.used = 0
         self.n = 0  # cells [head, head+n) touched by the last find_slot
         self.rs_z = -1  # a cell in that range with no references: its row is zeroed for new sequences
+        self.rollback = RollbackHistory(self, n_rs_seq) if n_rs_seq else None
 
     def _zeros(self, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
         """The state tensors; on the CPU large ones live on huge pages, where they stream faster
@@ -94,6 +104,11 @@ class RecurrentMemory:
 
     def state_bytes_per_seq(self) -> int:
         return self.total_size() // self.size
+
+    @property
+    def n_rs_seq(self) -> int:
+        """How many trailing positions of a sequence ``seq_rm`` may cut (0: none)."""
+        return 0 if self.rollback is None else self.rollback.n_rs_seq
 
     # ------------------------------------------------------- sequence queries
 
@@ -123,6 +138,8 @@ class RecurrentMemory:
         self.cells = CellTable.empty(self.size)
         self.head = 0
         self.used = 0
+        if self.rollback is not None:
+            self.rollback.clear()
         if data:
             for t in (*self.r_l, *self.s_l):
                 if t is not None:
@@ -133,7 +150,9 @@ class RecurrentMemory:
 
         A recurrent state cannot be cut: False when ``0 < p0 <= P < p1`` for the tail position P, or
         for ``seq_id < 0`` with a range that is neither everything nor nothing, or ``seq_id >= size``.
-        A range ending at or before P changes nothing and returns True.
+        A range ending at or before P changes nothing and returns True. With ``n_rs_seq`` a cut that
+        removes only positions of the sequence's rollback window returns True and leaves exactly the
+        state at ``p0 - 1`` (deeper cuts return False and change nothing).
         """
         p0 = max(p0, 0)
         if p1 < 0:
@@ -144,7 +163,7 @@ class RecurrentMemory:
         if seq_id >= 0:
             c = cells.tail[seq_id]
             if c >= 0 and 0 < p0 <= cells.pos[c] < p1:
-                return False
+                return self.rollback is not None and self.rollback.cut(self, seq_id, p0)
         elif p0 != p1 and (p0 != 0 or p1 != POS_MAX):
             return False
         new_head = self.size
@@ -165,6 +184,8 @@ class RecurrentMemory:
                 new_head = min(new_head, c)
         if new_head < self.head:
             self.head = new_head
+        if self.rollback is not None:
+            self.rollback.forget_empty(cells.tail)
         return True
 
     def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
@@ -184,6 +205,8 @@ class RecurrentMemory:
         if c >= 0:
             cells.seqs[c].add(seq_id_dst)
             cells.tail[seq_id_dst] = c
+        if self.rollback is not None:
+            self.rollback.copy(seq_id_src, seq_id_dst)
 
     def seq_keep(self, seq_id: int) -> None:
         """Drop every sequence but ``seq_id``."""
@@ -203,6 +226,8 @@ class RecurrentMemory:
                 new_head = min(new_head, c)
         if new_head < self.head:
             self.head = new_head
+        if self.rollback is not None:
+            self.rollback.forget_empty(cells.tail)
 
     def _tail_in_range(self, seq_id: int, p0: int, p1: int) -> int:
         c = self.cells.tail[seq_id]
@@ -225,6 +250,9 @@ class RecurrentMemory:
                     f"{self.cells.pos[c]} below zero"
                 )
             self.cells.pos[c] = new_pos
+            if self.rollback is not None:
+                for s in self.cells.seqs[c]:  # every sharer of the cell moved
+                    self.rollback.shift(s, shift)
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         """Divide the sequence's position by ``d`` (integer division) if it lies in ``[p0, p1)``."""
@@ -237,6 +265,9 @@ class RecurrentMemory:
         c = self._tail_in_range(seq_id, p0, p1)
         if c >= 0:
             self.cells.pos[c] //= d
+            if self.rollback is not None:  # a divided history no longer lines up with its tokens
+                for s in self.cells.seqs[c]:
+                    self.rollback.put(s, None)
 
     # ------------------------------------------------------ batch processing
 
@@ -247,12 +278,14 @@ class RecurrentMemory:
 
         Returns a context whose status is FAILED_PREPARE when the tokens could not all be split or
         placed; the memory is unchanged either way (only ``apply`` changes it). ``split_equal`` runs
-        non-sequential: the memory reorders cells itself, so any set of sequences decodes in one step.
+        non-sequential: the memory reorders cells itself, so any set of sequences decodes in one step;
+        with ``n_rs_seq`` it ends a micro-batch ``n_rs_seq`` tokens before each sequence's end.
         """
         balloc.split_reset()
         ubatches: list[UBatch] = []
+        tail = self.n_rs_seq
         while True:
-            ub = balloc.split_seq(n_ubatch) if embd_all else balloc.split_equal(n_ubatch, sequential=False)
+            ub = balloc.split_seq(n_ubatch) if embd_all else balloc.split_equal(n_ubatch, False, tail)
             if ub is None:
                 break
             ubatches.append(ub)
@@ -367,3 +400,5 @@ class RecurrentMemory:
                 f"tail of seq {s} is {cells.tail[s]}, not {owner.get(s, -1)}"
             )
         assert self.used == cells.n_used(), f"used is {self.used}, {cells.n_used()} cells are in use"
+        if self.rollback is not None:
+            self.rollback.check(self)

@@ -21,15 +21,18 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rsmem.batch.allocator import BatchAllocator
 from rsmem.errors import NoSlotError, StateFormatError
-from rsmem.memory.recurrent import RecurrentMemory
+
+if TYPE_CHECKING:  # the memory imports its rollback, which installs states through this module
+    from rsmem.memory.recurrent import RecurrentMemory
 
 GGML_TYPE_OF_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 DTYPE_OF_GGML_TYPE = {v: k for k, v in GGML_TYPE_OF_DTYPE.items()}
@@ -243,19 +246,42 @@ def restore_payload(memory: RecurrentMemory, payload: Payload, dest_seq: int) ->
         _write_rows(memory, payload, 0)
         return
     memory.require_seq(dest_seq, "state restore")
-    saved = (memory.cells.copy(), memory.head, memory.used, memory.n, memory.rs_z)
-    try:
+    if not payload.cells:
         memory.seq_rm(dest_seq, -1, -1)
-        if not payload.cells:
-            return
-        pos = payload.cells[0][0]
-        ubatch = BatchAllocator.ubatch_reserve(1, 1, seq_id=dest_seq, pos=[pos])
-        if not memory.find_slot(ubatch):
-            raise NoSlotError(f"no free cell to restore sequence {dest_seq}")
-    except BaseException:
-        memory.cells, memory.head, memory.used, memory.n, memory.rs_z = saved
-        raise
-    _write_rows(memory, payload, memory.head)
+        return
+    install_state(memory, dest_seq, payload.cells[0][0], lambda cell: _write_rows(memory, payload, cell))
+
+
+def can_install(memory: RecurrentMemory, seq_id: int) -> bool:
+    """Whether :func:`install_state` would find a cell for ``seq_id`` (a dry run; nothing changes)."""
+    return _place_alone(memory, seq_id, 0, commit=False)
+
+
+def install_state(memory: RecurrentMemory, seq_id: int, pos: int, write_rows: Callable[[int], None]) -> None:
+    """Make ``seq_id``'s state a cell of its own at ``pos`` whose rows ``write_rows(cell)`` fills; the old
+    cell is released as ``seq_rm`` does (and the rollback history with it). Raises NoSlotError, with the
+    memory and its history unchanged, when no cell is free (the sequence shared its cell)."""
+    memory.require_seq(seq_id, "state restore")
+    if not _place_alone(memory, seq_id, pos, commit=True):
+        raise NoSlotError(f"no free cell to restore sequence {seq_id}")
+    write_rows(memory.head)
+
+
+def _place_alone(memory: RecurrentMemory, seq_id: int, pos: int, *, commit: bool) -> bool:
+    """Release ``seq_id``'s cell and place it in a free one at ``pos``; unless that worked and ``commit``,
+    put the metadata and the sequence's rollback history back as they were."""
+    saved = (memory.cells.copy(), memory.head, memory.used, memory.n, memory.rs_z)
+    history = memory.rollback.get(seq_id) if memory.rollback is not None else None
+    placed = False
+    try:
+        memory.seq_rm(seq_id, -1, -1)
+        placed = memory.find_slot(BatchAllocator.ubatch_reserve(1, 1, seq_id=seq_id, pos=[pos]))
+        return placed
+    finally:
+        if not (placed and commit):
+            memory.cells, memory.head, memory.used, memory.n, memory.rs_z = saved
+            if memory.rollback is not None:
+                memory.rollback.put(seq_id, history)
 
 
 # ---------------------------------------------------------------- framing
