@@ -14,6 +14,7 @@ Eviction keeps the most valuable bytes under ``budget_bytes``. A checkpoint's sc
 lowest score goes first; equal scores evict the least recently used, then the oldest handle. A pinned
 checkpoint (one being restored right now) is never evicted, removed or replaced until it is unpinned.
 The cache only does bookkeeping: it never copies or frees payloads, it drops its references to them.
+An eviction sorts the unpinned checkpoints (O(n log n) in their number). Not thread-safe: one owner calls it.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class PrefixCache(Generic[P]):
 
     def divergence(self, tokens: Sequence[int]) -> int:
         """The longest common prefix of ``tokens`` with any path in the tree, checkpoint or not."""
-        toks, node, i = list(tokens), self._root, 0
+        toks, node, i = list(map(int, tokens)), self._root, 0
         while i < len(toks) and (child := node.children.get(toks[i])) is not None:
             k = _common(child.edge, toks, i)
             i += k
@@ -156,7 +157,7 @@ class PrefixCache(Generic[P]):
         Pass ``max_len=len(tokens) - 1`` to keep at least one token to compute. ``touch`` (default) counts a
         hit or a miss and refreshes the checkpoint's recency; ``touch=False`` only looks.
         """
-        toks = list(tokens)
+        toks = list(map(int, tokens))
         limit = len(toks) if max_len is None else min(max_len, len(toks))
         best: _Entry[P] | None = None
         best_n, node, i = 0, self._root, 0
@@ -185,7 +186,7 @@ class PrefixCache(Generic[P]):
         cannot fit beside the pinned ones (or alone exceeds the budget) or the key holds a pinned checkpoint.
         A replacement gets a new handle and keeps the key's hit count.
         """
-        toks = list(tokens)
+        toks = list(map(int, tokens))
         if not toks:
             raise ValueError("a checkpoint needs at least one token")
         nbytes = payload.nbytes
@@ -196,12 +197,10 @@ class PrefixCache(Generic[P]):
         if old_entry is not None and old_entry.pins:
             return None
         freed = 0 if old_entry is None else old_entry.nbytes
-        victims = self._plan_eviction(self._bytes - freed + nbytes - self.budget_bytes, keep=old_entry)
-        if victims is None:
+        victims, short = self._victims(self._bytes - freed + nbytes - self.budget_bytes, keep=old_entry)
+        if short > 0:
             return None
-        for v in victims:
-            self._drop(v)
-        self._stats.evictions += len(victims)
+        self._evict(victims)
         node = self._find(toks, create=True)
         assert node is not None
         hits = 0
@@ -222,10 +221,7 @@ class PrefixCache(Generic[P]):
         Returns the bytes freed.
         """
         before = self._bytes
-        victims = self._plan_eviction(n_bytes, keep=None, partial=True)
-        for v in victims or []:
-            self._drop(v)
-        self._stats.evictions += len(victims or [])
+        self._evict(self._victims(n_bytes, keep=None)[0])
         return before - self._bytes
 
     def remove(self, handle: Handle) -> bool:
@@ -264,18 +260,15 @@ class PrefixCache(Generic[P]):
         decay = 0.5 ** ((now - e.last_used) / self.half_life)
         return (1 + e.hits) * self._nodes[e.handle].depth * decay / max(e.nbytes, 1)
 
-    def _plan_eviction(
-        self, need: int, *, keep: _Entry[P] | None, partial: bool = False
-    ) -> list[_Entry[P]] | None:
-        """The lowest-scored unpinned entries (never ``keep``) that free ``need`` bytes; None if they can't,
-        unless ``partial``, which returns every candidate then."""
+    def _victims(self, need: int, *, keep: _Entry[P] | None) -> tuple[list[_Entry[P]], int]:
+        """The lowest-scored unpinned entries (never ``keep``) that free ``need`` bytes, and the bytes still
+        missing (> 0 when every candidate together is not enough; the list then holds them all)."""
         if need <= 0:
-            return []
+            return [], need
         now = self._clock()
-        candidates = [n.entry for n in self._nodes.values() if n.entry is not None and n.entry is not keep]
+        entries = [n.entry for n in self._nodes.values() if n.entry is not None and n.entry is not keep]
         order = sorted(
-            (e for e in candidates if not e.pins),
-            key=lambda e: (self._score(e, now), e.last_used, e.handle.id),
+            (e for e in entries if not e.pins), key=lambda e: (self._score(e, now), e.last_used, e.handle.id)
         )
         victims: list[_Entry[P]] = []
         for e in order:
@@ -283,7 +276,12 @@ class PrefixCache(Generic[P]):
                 break
             victims.append(e)
             need -= e.nbytes
-        return victims if need <= 0 or partial else None
+        return victims, need
+
+    def _evict(self, victims: list[_Entry[P]]) -> None:
+        for v in victims:
+            self._drop(v)
+        self._stats.evictions += len(victims)
 
     def _find(self, toks: list[int], *, create: bool = False) -> _Node[P] | None:
         """The node whose path is ``toks``; ``create`` makes it (splitting an edge or adding a leaf)."""
