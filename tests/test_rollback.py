@@ -130,16 +130,18 @@ def test_random_operations_keep_windows_and_states_exact(arch: str, seed: int) -
         op = rng.choice(["decode", "decode", "cut", "cut", "cp", "restore", "rm"])
         s, d = rng.randrange(3), rng.randrange(3)
         if op == "decode":
-            step = {
-                q: rand_tokens(rng, rng.choice([1, 2, K + 2]))
-                for q in rng.sample(range(3), rng.randint(1, 3))
-            }
+            sizes = [1, 2, K + 2, K + MIN_SPACING - 1, K + MIN_SPACING + 3]
+            step = {q: rand_tokens(rng, rng.choice(sizes)) for q in rng.sample(range(3), rng.randint(1, 3))}
             ctx.decode(Batch.from_sequences(step))
             for q, new in step.items():
                 tokens.setdefault(q, []).extend(new)
                 window[q] = min(K, window.get(q, 0) + len(new))
         elif op == "cut" and s in tokens and len(tokens[s]) > 1:
             depth = rng.randint(1, min(K + 2, len(tokens[s]) - 1))
+            if depth <= window[s]:  # the replay is bounded
+                target = len(tokens[s]) - depth - 1
+                base = max(x.pos for x in mem.rollback.get(s).snapshots if x.pos <= target)
+                assert target - base <= 2 * MIN_SPACING + K - 3
             assert mem.seq_rm(s, len(tokens[s]) - depth, -1) == (depth <= window[s])
             if depth <= window[s]:
                 del tokens[s][-depth:]
@@ -391,7 +393,30 @@ def test_split_keeps_each_sequence_tail_apart() -> None:
     with_tail = ends(4)
     for seq, n in ((0, 20), (1, 5), (2, 9)):
         assert n - 1 - 4 in with_tail[seq]  # a micro-batch ends 4 tokens before the last
+    with_tail = ends(4, 6)  # only sets with 6 tokens or more before their last 4 are split
+    assert 15 in with_tail[0] and with_tail[1] == ends()[1] and with_tail[2] == ends()[2]
     assert ends(0) == ends() == {0: [1, 3, 4, 8, 16, 19], 1: [1, 3, 4], 2: [1, 3, 4, 8]}
+
+
+class CountingModel(DecayedSumModel):
+    def __init__(self) -> None:
+        super().__init__(n_vocab=VOCAB, n_embd=8, n_layer=2, seed=1)
+        self.shapes: list[tuple[int, int]] = []
+
+    def forward(self, ubatch, states):
+        self.shapes.append((ubatch.n_seqs, ubatch.n_seq_tokens))
+        return super().forward(ubatch, states)
+
+
+def test_only_long_batches_end_a_micro_batch_before_their_tail() -> None:
+    model = CountingModel()
+    ctx = Context(model, n_rs_seq=K)
+    decode_seq(ctx, 0, list(range(K + MIN_SPACING)))  # a prompt: split where the window's floor falls
+    assert model.shapes == [(1, MIN_SPACING), (1, K)]
+    model.shapes.clear()
+    decode_seq(ctx, 0, list(range(K + 1)))  # a speculative draft's check: one micro-batch
+    decode_seq(ctx, 0, list(range(K + MIN_SPACING - 1)))
+    assert model.shapes == [(1, K + 1), (1, K + MIN_SPACING - 1)]
 
 
 def test_history_is_bounded_and_snapshots_sparse() -> None:
@@ -409,6 +434,31 @@ def test_history_is_bounded_and_snapshots_sparse() -> None:
     assert len(taken) <= 1 + 5  # one whole-state copy per MIN_SPACING tokens
     per_seq = ctx.memory.state_bytes_per_seq()
     assert ctx.memory.rollback.nbytes() <= 2 * per_seq + 8 * (MIN_SPACING + 2 * K)
+
+
+def replay_length(ctx: Context, seq: int, p0: int) -> int:
+    snaps = ctx.memory.rollback.get(seq).snapshots
+    return p0 - 1 - max(x.pos for x in snaps if x.pos <= p0 - 1)
+
+
+def test_replays_stay_bounded_after_long_cuts() -> None:
+    """Batches just too short to be split leave long replays; a cut that replays many tokens keeps its
+    result as a snapshot, so the next replay does not grow."""
+    rng = random.Random(43)
+    ctx = Context(make_model("toy"), n_rs_seq=K)
+    tokens = rand_tokens(rng, MIN_SPACING + 9)
+    decode_seq(ctx, 0, tokens)
+    bound = 2 * MIN_SPACING + K - 3
+    for _ in range(3):
+        more = rand_tokens(rng, K + MIN_SPACING - 1)  # not split
+        decode_seq(ctx, 0, more)
+        tokens += more
+        p0 = len(tokens) - K
+        assert replay_length(ctx, 0, p0) <= bound
+        assert ctx.memory.seq_rm(0, p0, -1)
+        del tokens[p0:]
+        ctx.memory.check_invariants()
+    continue_like_fresh(ctx, 0, tokens, rng)
 
 
 def test_seq_add_moves_the_history_and_seq_div_drops_it() -> None:

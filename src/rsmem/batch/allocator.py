@@ -197,14 +197,17 @@ class BatchAllocator:
                 cur = mask
         return self._take(idxs, n_seqs=1, equal_seqs=True)
 
-    def split_equal(self, n_ubatch: int, sequential: bool = False, tail_apart: int = 0) -> UBatch | None:
+    def split_equal(
+        self, n_ubatch: int, sequential: bool = False, tail_apart: int = 0, min_before_tail: int = 1
+    ) -> UBatch | None:
         """The same number of tokens from each of several disjoint sequence sets.
 
         Sets join in order of their first unused token; with ``sequential`` only consecutive primary
         seq ids may join (llama.cpp's setting for unified caches). Each set contributes tokens in order;
         at most ``n_ubatch`` tokens and ``n_ubatch`` sets are taken. With ``tail_apart = K``, the last K
-        tokens of a set never share a micro-batch with its earlier ones, so one ends K tokens before the
-        set's last (where the memory's rollback takes a snapshot).
+        tokens of a set that has at least ``min_before_tail`` tokens before them in the batch never share
+        a micro-batch with those, so one ends K tokens before the set's last (where the memory's rollback
+        takes a snapshot); shorter sets are not split.
         """
         if n_ubatch < 1:
             raise ValueError(f"n_ubatch must be at least 1, got {n_ubatch}")
@@ -227,7 +230,12 @@ class BatchAllocator:
         if not sets:
             return None
         pending = [[i for i in self._seq_set_tokens[m] if not self._used[i]] for m in sets]
-        caps = [len(p) - tail_apart if len(p) > tail_apart else len(p) for p in pending]
+        caps = [
+            len(p) - tail_apart
+            if len(p) > tail_apart and len(self._seq_set_tokens[m]) - tail_apart >= min_before_tail
+            else len(p)
+            for m, p in zip(sets, pending)
+        ]
         n_per_set = min(min(caps), max(1, n_ubatch // len(sets)))
         idxs = [i for p in pending for i in p[:n_per_set]]
         return self._take(idxs, n_seqs=len(sets), equal_seqs=True)

@@ -279,13 +279,14 @@ class RecurrentMemory:
         Returns a context whose status is FAILED_PREPARE when the tokens could not all be split or
         placed; the memory is unchanged either way (only ``apply`` changes it). ``split_equal`` runs
         non-sequential: the memory reorders cells itself, so any set of sequences decodes in one step;
-        with ``n_rs_seq`` it ends a micro-batch ``n_rs_seq`` tokens before each sequence's end.
+        with ``n_rs_seq`` it ends a micro-batch ``n_rs_seq`` tokens before the end of each sequence that
+        has at least a snapshot spacing of tokens before those (see :mod:`rsmem.memory.rollback`).
         """
         balloc.split_reset()
         ubatches: list[UBatch] = []
-        tail = self.n_rs_seq
+        tail, before = (0, 1) if self.rollback is None else (self.rollback.n_rs_seq, self.rollback.spacing)
         while True:
-            ub = balloc.split_seq(n_ubatch) if embd_all else balloc.split_equal(n_ubatch, False, tail)
+            ub = balloc.split_seq(n_ubatch) if embd_all else balloc.split_equal(n_ubatch, False, tail, before)
             if ub is None:
                 break
             ubatches.append(ub)

@@ -2,34 +2,46 @@
 
 A recurrent cell holds only a sequence's newest state, so ``seq_rm(s, p0, -1)`` cannot cut it. With
 ``n_rs_seq = K > 0`` the memory keeps, per sequence, enough to rebuild the state at any of its last K
-positions: a few full-state snapshots and the tokens decoded since the oldest one. A cut restores the
-newest snapshot at or before the target position ``p0 - 1`` into a scratch state outside the cells, runs
-the model over the tokens between (the *replay*), and only then installs the result as the sequence's
-state, so a failed or refused cut changes nothing. The replay runs the same model code as a decode, so
-the state equals that of a fresh sequence fed the same tokens (up to float rounding of other chunkings).
+positions: one or two full-state snapshots and the tokens decoded since the older one. A cut loads the
+newest snapshot at or before the target ``p0 - 1`` into a scratch state outside the cells, runs the model
+over the tokens between (the *replay*, through the Context's model), and only then installs the result
+as the sequence's state: a refused or failed cut changes nothing. The replay is the model's own forward,
+so the state is that of a fresh sequence fed the same tokens (up to the rounding of another chunking).
 
-The window: every decoded token enters it, up to K; every cut takes the removed positions out of it (two
-cuts in a row may remove K positions together); a state restore (``state_seq_set_data``, a checkpoint),
-``seq_div`` or removing the sequence empties it; ``seq_cp`` gives the destination a copy of the source's;
-``seq_add`` shifts it. A cut deeper than the window returns False, as in llama.cpp.
+The window: each decoded token enters it, up to K; a cut takes the removed positions out of it (two cuts
+in a row remove at most K together); a restore (``state_seq_set_data``, a checkpoint), ``seq_div`` or
+removing the sequence empties it; ``seq_cp`` copies it to the destination; ``seq_add`` shifts it. A cut
+deeper than the window returns False (llama.cpp's answer). State files hold the current state only, in
+llama.cpp's format: the history is not saved, and a restored sequence starts with an empty window.
 
-Snapshots are taken at micro-batch ends, at most one every ``spacing = max(K, MIN_SPACING)`` tokens and
-only inside the last K positions of the batch; ``split_equal(..., tail_apart=K)`` ends a micro-batch K
-tokens before each sequence's end, so a long prefill leaves a snapshot exactly at its window's floor. At
-most two snapshots per sequence are kept (the newest one at or before the floor, and one after it), and
-a replay is at most ``spacing + K - 1`` tokens. The first decode after a restore snapshots the restored
-state (one copy). State files are unchanged: they hold the current state only, never the history.
+Snapshots (``S = max(K, MIN_SPACING)``): taken at micro-batch ends within the last K positions of a batch,
+at least S tokens apart; the first decode after a restore copies the restored state. A batch with S or
+more tokens before its last K is split there (``split_equal(..., tail_apart=K, min_before_tail=S)``), so
+a long prompt leaves a snapshot at its window's floor; shorter batches (a speculative draft's check of
+K + 1 tokens) are not split. A cut whose replay was S tokens or more keeps its result as a snapshot.
+So a sequence holds at most two snapshots after each step, a replay is at most ``2S + K - 3`` tokens
+(``S - 1`` after one-token decodes), and snapshot buffers no history holds are reused.
 
-Alternative (b), per-token snapshots of the conv rows plus replays of the SSM scan from its per-token
-inputs (x, dt, B), needs every scan kernel to emit per-token values (the models' code, not the memory's);
-its bytes per token per sequence would be 0.44 MB (Mamba, r rows) / 0.33 MB (Mamba-2, conv column and
-scan inputs), against at most two full states here. Measured on this machine (2 cores, f32, one
-sequence, eager, K = 8, spacing 16; ``bench/rollback_cost.py``):
+Measured, 130M configs with random weights (``rsmem.models.random_init``), one sequence, f32, eager, on
+this machine (2 shared cores; minimum of repeated runs), K = 8, S = 16:
 
-| 130M config | state / seq | history / seq | copy / token | decode / token, K=0 -> K=8 | cut of 1..8 |
-|---|---|---|---|---|---|
-| Mamba (``mamba_130m``) | 2.8 MB | 5.6 MB | 0.18 MB, 0.03 ms | TBD | TBD |
-| Mamba-2 (``mamba2_130m``) | 19.4 MB | 38.8 MB | 1.2 MB, 0.2 ms | TBD | TBD |
+| | Mamba (``mamba_130m``) | Mamba-2 (``mamba2_130m``) |
+|---|---|---|
+| state of a sequence | 2.8 MB | 19.4 MB |
+| history of a sequence (at most) | 5.6 MB + 45 token ids | 38.8 MB + 45 token ids |
+| snapshot copy; per token (one every 16) | 0.3-0.6 ms; 0.18 MB, 0.03 ms | 1.1-1.8 ms; 1.2 MB, 0.1 ms |
+| bookkeeping per decoded token, copies included | 0.06 ms | 0.13 ms |
+| decode step, K = 0 / K = 8 | 32.5 / 32.5 ms | 32.0 / 31.7 ms |
+| cut of 1..8 after one-token decodes (replay 1..15) | 25-68 ms | 28-62 ms |
+| replay of 1 / 8 / 23 tokens | 23 / 40 / 73 ms | 27 / 52 / 70 ms |
+| prefill of 64 / 512 tokens, K = 0 -> 8 | 190 -> 220 / 1239 -> 1284 ms | 132 -> 163 / 780 -> 798 ms |
+
+So decoding costs nothing measurable and a cut costs one to two decode steps. The alternative, per-token
+copies of the conv column plus the scan's inputs (x, dt, B) and a replay of conv and scan alone, would
+write 0.44 MB (Mamba) / 0.33 MB (Mamba-2) a token per sequence (history for K = 8: 6.3 / 22 MB) and make a
+cut nearly free, which matters where a cut follows most steps (speculative decoding); it needs every scan
+kernel (prefill, compiled steps) to emit per-token values, which is the models' code, not the memory's.
+llama.cpp b11312 keeps 1 + K full states per sequence (175 MB for Mamba-2 at K = 8).
 """
 
 from __future__ import annotations
@@ -268,7 +280,11 @@ class RollbackHistory:
             self._forward(UBatch.of_sequence(seq_id, chunk, pos), scratch)
             pos += len(chunk)
         install_state(memory, seq_id, plan.target, lambda cell: _copy_into_cell(memory, scratch, cell))
-        self.put(seq_id, plan.after)
+        after = plan.after
+        if plan.target - plan.base.pos >= self.spacing:  # a long replay: the next one starts from here
+            after.snapshots.append(Snapshot(plan.target, self._rows.take(memory, memory.cells.tail[seq_id])))
+            _prune(after)
+        self.put(seq_id, after)
         return True
 
     # ---------------------------------------------------------- invariants
