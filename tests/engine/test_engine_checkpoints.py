@@ -124,3 +124,19 @@ def test_a_non_finite_state_is_never_checkpointed():
     assert len(engine.checkpoints) == 0 and engine.checkpoints.stats.non_finite > 0
     good = run(engine, prompt)
     assert good.num_cached_tokens == 0 and good.outputs[0].token_ids == fresh(model.inner, prompt)
+
+
+def test_cache_use_is_counted_by_kind():
+    model = make_model("toy")
+    engine = Engine(Context(model, n_seq_max=2, n_batch=64), prompt_cache=True, cache_bytes=1 << 24)
+    prompt = seq(1, 12)
+    first = run(engine, prompt)  # computed in full
+    extended = run(engine, [*prompt, *first.outputs[0].token_ids[:-1], 5])  # the slot's own state
+    engine.add_request(seq(30, 4), GREEDY, slot=0)  # the first sequence is taken over
+    engine.add_request(seq(40, 4), GREEDY, slot=1)
+    list(engine.run_until_done())
+    again = run(engine, prompt)  # only a checkpoint can serve it now
+    assert extended.num_cached_tokens > len(prompt) and again.num_cached_tokens == len(prompt) - 1
+    snap = engine.snapshot()
+    assert (snap.cache_hits_extension, snap.cache_hits_checkpoint) == (1, 1)
+    assert snap.cache_misses == 3

@@ -259,6 +259,7 @@ class Engine:
             self.waiting.remove(req)
             if req.session is None:
                 req.n_cached = req.n_prefilled = pool.take(first, req.prompt_tokens)
+                restored = 0
                 if self.checkpoints is not None:
                     restored = self.checkpoints.restore_best(req.prompt_tokens, first, req.n_prefilled)
                     if restored:
@@ -267,6 +268,7 @@ class Engine:
                         req.prompt_tokens, req.n_prefilled, req.boundaries
                     )
                 self.stats.cached_prompt_tokens += req.n_cached
+                self._count_cache_use(req.n_cached, restored)
             req.completions[0].seq_id = first
             for c in req.completions[1:]:
                 c.seq_id = pool.best_free([], avoid=wanted)
@@ -531,11 +533,25 @@ class Engine:
             **self._cache_figures(),
         )
 
+    def _count_cache_use(self, cached: int, restored: int) -> None:
+        if restored:
+            self.stats.cache_hits_checkpoint += 1
+        elif cached:
+            self.stats.cache_hits_extension += 1
+        else:
+            self.stats.cache_misses += 1
+
     def _cache_figures(self) -> dict[str, int]:
+        s = self.stats
+        hits = {
+            "cache_hits_extension": s.cache_hits_extension,
+            "cache_hits_checkpoint": s.cache_hits_checkpoint,
+            "cache_misses": s.cache_misses,
+        }
         cache = self.checkpoints
         if cache is None:
-            return {}
-        return {
+            return hits
+        return hits | {
             "cache_entries": len(cache),
             "cache_bytes": cache.nbytes,
             "cache_evictions": cache.tree.stats.evictions,

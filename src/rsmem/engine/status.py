@@ -22,6 +22,9 @@ class EngineStats:
     requests_finished: int = 0
     requests_failed: int = 0
     failed_steps: int = 0
+    cache_hits_extension: int = 0  # prompts continued from a free sequence's own kept state
+    cache_hits_checkpoint: int = 0  # prompts continued from a checkpoint of the prefix cache
+    cache_misses: int = 0  # prompts computed from the start
 
 
 class Health:
@@ -88,3 +91,6 @@ class EngineSnapshot:
     checkpoints_taken: int = 0
     checkpoint_restores: int = 0  # requests that started from a checkpoint
     checkpoint_tokens: int = 0  # prompt tokens those checkpoints covered
+    cache_hits_extension: int = 0
+    cache_hits_checkpoint: int = 0
+    cache_misses: int = 0

@@ -122,6 +122,13 @@ async def metrics(request: Request) -> PlainTextResponse:
             m.cache_evictions,
         ),
         _metric("rsmem_checkpoints_taken_total", "counter", "Checkpoints taken.", m.checkpoints_taken),
+        "# HELP rsmem_prompt_cache_hits_total Prompts continued from a kept state, by kind.",
+        "# TYPE rsmem_prompt_cache_hits_total counter",
+        f'rsmem_prompt_cache_hits_total{{kind="extension"}} {m.cache_hits_extension}',
+        f'rsmem_prompt_cache_hits_total{{kind="checkpoint"}} {m.cache_hits_checkpoint}',
+        _metric(
+            "rsmem_prompt_cache_misses_total", "counter", "Prompts computed from the start.", m.cache_misses
+        ),
         _metric(
             "rsmem_checkpoint_restores_total",
             "counter",
