@@ -344,7 +344,7 @@ def test_slot_save_erase_restore_continues_like_an_uninterrupted_run(tmp_path):
     greedy = SamplingParams.greedy(max_tokens=4)
     engine.add_request([5, 6, 7], greedy, slot=1)
     gen = list(next(o for o in engine.run_until_done() if o.finished).outputs[0].token_ids)
-    assert engine.slots()[1]["n_cached_tokens"] == 3 + 3
+    assert engine.snapshot().slots[1].n_cached_tokens == 3 + 3
     path = tmp_path / "slot1.ggsq"
     n_tokens, size = engine.slot_save(1, str(path))
     assert n_tokens == 6 and size == path.stat().st_size

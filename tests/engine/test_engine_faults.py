@@ -338,3 +338,32 @@ def test_a_request_pinned_to_a_busy_slot_does_not_block_the_queue():
         done[pinned].error is None
         and done[pinned].outputs[0].token_ids == alone([3, 4], SamplingParams.greedy(max_tokens=2))[0]
     )
+
+
+def test_a_request_aborted_while_its_state_is_replayed_caches_nothing_and_empties_its_session():
+    """A suspect's sequence holds a partial replay: neither the prompt cache nor the session may claim
+    the tokens it has not folded yet."""
+    model = FaultyModel(toy())
+    engine = make_engine(model, prompt_cache=True, max_batch_tokens=8)
+    session = engine.open_session()
+    engine.add_request([1, 2, 3], SamplingParams.greedy(max_tokens=3), session=session)
+    run_all(engine)
+    turn = engine.add_request([4, 5], SamplingParams.greedy(max_tokens=20), session=session)
+    long = engine.add_request(list(range(10, 30)), SamplingParams.greedy(max_tokens=20), slot=CULPRIT_SLOT)
+    for _ in range(4):  # both decoding
+        engine.step()
+    fired: list[frozenset[int]] = []
+    model.raise_when(lambda seqs: not fired and (fired.append(seqs) or True))
+    engine.step()  # the shared batch fails: both become suspects with replays planned
+    assert fired and engine.requests[long].suspect
+    engine.step()  # one suspect replays its first chunk (8 tokens of 20+)
+    model.raise_when(None)
+    assert engine.abort(long) and engine.abort(turn)
+    run_all(engine)
+    assert engine.pool.cached_tokens(CULPRIT_SLOT) == []
+    assert engine.ctx.memory.seq_pos_max(CULPRIT_SLOT) == -1
+    assert session.tokens == [] and session.pending == [] and not session.busy
+    rid = engine.add_request([6, 7], SamplingParams.greedy(max_tokens=3), session=session)
+    assert [c.token_ids for c in run_all(engine)[rid].outputs] == alone(
+        [6, 7], SamplingParams.greedy(max_tokens=3)
+    )

@@ -160,14 +160,13 @@ class Engine:
         slot: int | None,
         taken: set[str],
     ) -> Request:
-        held = {s for s in range(self.ctx.n_seq_max) if self.pool.session_of(s) is not None}
         return self.builder.build(
             prompt,
             params,
             request_id,
             session=session,
             slot=slot,
-            held=held,
+            held=self.pool.held,
             in_use=lambda rid: rid in self.requests or rid in taken,
         )
 
@@ -411,10 +410,7 @@ class Engine:
                 c.finish_reason = reason or FinishReason.ERROR
                 c.error = message
         if req.session is not None and state_lost:
-            self._clear_seq(req.session.seq_id)
-            req.session.tokens, req.session.pending, req.session.busy = [], [], False
-            req.session = None  # the session's sequence is not the request's to free
-            req.completions[0].seq_id = -1
+            self._empty_session(req)
         self.stats.requests_failed += 1
         self._release(req, cache=False)
 
@@ -433,8 +429,23 @@ class Engine:
         self.pool.release(c.seq_id, folded)
         c.seq_id = -1
 
+    def _empty_session(self, req: Request) -> None:
+        """The session's state was lost or cannot be trusted: clear it; the session stays usable."""
+        assert req.session is not None
+        self._clear_seq(req.session.seq_id)
+        req.session.tokens, req.session.pending, req.session.busy = [], [], False
+        req.session = None  # the session's sequence is not the request's to free
+        req.completions[0].seq_id = -1
+
     def _release(self, req: Request, *, cache: bool = True) -> None:
-        """Finish a request: free every sequence it still holds (a session keeps its own)."""
+        """Finish a request: free every sequence it still holds (a session keeps its own).
+
+        A request ended while a lost state was being replayed (``_fail_batch``) holds sequences whose
+        states match none of its tokens: nothing of it is cached, and its session is emptied."""
+        if any(c.replay for c in req.completions):
+            cache = False
+            if req.session is not None:
+                self._empty_session(req)
         if req.session is not None:
             self._end_session_request(req)
         for c in req.completions:
@@ -488,13 +499,6 @@ class Engine:
     def slot_erase(self, slot: int) -> int:
         """Drop an idle slot's cached state; returns the number of tokens it held."""
         return self.kept.slot_erase(slot)
-
-    def slots(self) -> list[dict[str, object]]:
-        """Per slot: whether it is busy and how many tokens of state it caches."""
-        return [
-            {"id": s.id, "busy": s.busy, "request_id": s.request_id, "n_cached_tokens": s.n_cached_tokens}
-            for s in self.snapshot().slots
-        ]
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's state in one read (for servers: call it on the thread that drives the engine)."""

@@ -35,6 +35,11 @@ class SequencePool:
     def is_free(self, seq: int) -> bool:
         return seq in self._free
 
+    @property
+    def held(self) -> set[int]:
+        """The sequences sessions hold."""
+        return set(self._sessions)
+
     def session_of(self, seq: int) -> Session | None:
         return self._sessions.get(seq)
 
