@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +108,17 @@ class Envelope:
         } | extra
 
 
+def changed_choices(
+    env: Envelope, out: RequestOutput
+) -> Iterator[tuple[CompletionOutput, int, tuple[TokenLogprobs, ...] | None]]:
+    """The choices of a report with something to stream (new text, new log-probs or a finish reason):
+    each with its index in the response and its new log-probs."""
+    for c in out.outputs:
+        lps = new_logprobs(c)
+        if c.delta_text or c.finish_reason is not None or lps:
+            yield c, env.index(out.request_id, c), lps
+
+
 @dataclass(slots=True)
 class CompletionChunks:
     """``text_completion`` chunks: one per choice with new text, tokens (when log-probs are asked) or
@@ -120,11 +131,7 @@ class CompletionChunks:
 
     def chunks(self, out: RequestOutput) -> list[Json]:
         result = []
-        for c in out.outputs:
-            lps = new_logprobs(c)
-            if not (c.delta_text or c.finish_reason is not None or lps):
-                continue
-            index = self.env.index(out.request_id, c)
+        for c, index, lps in changed_choices(self.env, out):
             logprobs = completion_logprobs(lps, self.token_text, self.offsets.get(index, 0))
             if logprobs is not None and logprobs["text_offset"]:
                 self.offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
@@ -155,11 +162,7 @@ class ChatChunks:
 
     def chunks(self, out: RequestOutput) -> list[Json]:
         result = []
-        for c in out.outputs:
-            lps = new_logprobs(c)
-            if not (c.delta_text or c.finish_reason is not None or lps):
-                continue
-            index = self.env.index(out.request_id, c)
+        for c, index, lps in changed_choices(self.env, out):
             delta: Json = {}
             if index not in self.started:
                 self.started.add(index)
