@@ -38,3 +38,10 @@ def test_a_second_chat_turn_in_another_slot_computes_only_what_is_new(shared_llm
             ln for ln in metrics.splitlines() if ln.startswith("rsmem_checkpoint_restores_total ")
         )
         assert float(restores.split()[1]) >= 1
+        assert 'rsmem_prompt_cache_hits_total{kind="rollback"} 0' in metrics
+        slot0 = httpx.get(f"{server.url}/slots").json()[0]
+        # slot 0 kept turn 1's prompt and answer; the cache holds checkpoints along it (the prompt minus
+        # its last token at least), all within what the slot keeps
+        assert slot0["checkpoints"] and slot0["checkpoints"] == sorted(slot0["checkpoints"])
+        assert usage1["prompt_tokens"] - 1 in slot0["checkpoints"]
+        assert max(slot0["checkpoints"]) <= slot0["n_cached_tokens"]

@@ -25,15 +25,14 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 
-import torch
-
 from rsmem.context import Context
 from rsmem.engine.checkpoints import CheckpointCache
 from rsmem.engine.kept import KeptSequences
+from rsmem.engine.lifecycle import Lifecycle
+from rsmem.engine.output import OutputProcessor
 from rsmem.engine.pool import SequencePool
-from rsmem.engine.reports import cut_at_stop, report
+from rsmem.engine.reports import report
 from rsmem.engine.request import (
-    Completion,
     ErrorKind,
     FinishReason,
     Phase,
@@ -43,7 +42,8 @@ from rsmem.engine.request import (
 )
 from rsmem.engine.sampling import Sampler, SamplingParams
 from rsmem.engine.scheduler import Planned, build_batch, plan_replay, plan_step
-from rsmem.engine.status import EngineSnapshot, EngineStats, Health, SlotInfo
+from rsmem.engine.snapshot import active_cells, take_snapshot
+from rsmem.engine.status import EngineSnapshot, EngineStats, Health
 from rsmem.engine.tokenizer import TextTokenizer
 from rsmem.engine.validation import RequestBuilder, RequestLimits
 from rsmem.errors import InvalidRequestError
@@ -80,8 +80,14 @@ class Engine:
                 f"n_seq_max {context.n_seq_max} exceeds the per-step token budget {self.max_batch_tokens}"
             )
         self.limits = RequestLimits(context.n_vocab, context.n_seq_max, max_prompt_tokens, max_tokens_limit)
-        self.sampler = Sampler()
-        self.pool = SequencePool(context.n_seq_max, self._clear_seq, prompt_cache=prompt_cache)
+        memory = context.memory
+        self.pool = SequencePool(
+            context.n_seq_max,
+            self._clear_seq,
+            prompt_cache=prompt_cache,
+            trim=lambda seq, n: memory.seq_rm(seq, n, -1),
+            rollback_depth=context.n_rs_seq,
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -94,6 +100,8 @@ class Engine:
             else None
         )
         self.builder = RequestBuilder(self.limits, tokenizer)
+        self.lifecycle = Lifecycle(memory, self.pool, self.checkpoints, self.stats, self.running)
+        self.output = OutputProcessor(Sampler(), tokenizer, self.stats, self.lifecycle)
 
     @property
     def prompt_cache(self) -> bool:
@@ -185,7 +193,7 @@ class Engine:
         for c in req.completions:
             if not c.finished:
                 c.finish_reason = FinishReason.ABORT
-        self._release(req)
+        self.lifecycle.release(req)
         return True
 
     @property
@@ -225,7 +233,7 @@ class Engine:
                 self.stats.steps += 1
                 self.health.step_succeeded()
                 self._commit(plan)
-                self._sample(plan, touched)
+                self.output.process(plan, self.ctx.logits, touched)
         for req in [r for r in self.requests.values() if r.finished]:
             touched[req.request_id] = req
             del self.requests[req.request_id]
@@ -257,23 +265,27 @@ class Engine:
                 continue
             self.waiting.remove(req)
             if req.session is None:
-                req.n_cached = req.n_prefilled = pool.take(first, req.prompt_tokens)
-                restored = 0
-                if self.checkpoints is not None:
-                    restored = self.checkpoints.restore_best(req.prompt_tokens, first, req.n_prefilled)
-                    if restored:
-                        req.n_cached = req.n_prefilled = restored
-                    req.checkpoint_at = self.checkpoints.positions(
-                        req.prompt_tokens, req.n_prefilled, req.boundaries
-                    )
-                self.stats.cached_prompt_tokens += req.n_cached
-                self._count_cache_use(req.n_cached, restored)
+                self._start_from_cache(req, first)
             req.completions[0].seq_id = first
             for c in req.completions[1:]:
                 c.seq_id = pool.best_free([], avoid=wanted)
                 pool.take(c.seq_id, [])
             req.phase = Phase.PREFILL
             self.running.append(req)
+
+    def _start_from_cache(self, req: Request, seq: int) -> None:
+        """Continue ``req``'s prompt from the most it can reuse: ``seq``'s own kept state (extended or
+        rolled back) or a checkpoint of the prefix cache restored into ``seq``; plan its checkpoints."""
+        n, rolled_back = self.pool.take(seq, req.prompt_tokens)
+        kind = ("rollback" if rolled_back else "extension") if n else "miss"
+        if self.checkpoints is not None:
+            restored = self.checkpoints.restore_best(req.prompt_tokens, seq, n)
+            if restored:
+                n, kind = restored, "checkpoint"
+            req.checkpoint_at = self.checkpoints.positions(req.prompt_tokens, n, req.boundaries)
+        req.n_cached = req.n_prefilled = n
+        self.stats.cached_prompt_tokens += n
+        self.stats.count_cache_use(kind)
 
     def _commit(self, plan: list[Planned]) -> None:
         """The decode succeeded: prompts and replays advance, finished prompts fork into their other
@@ -295,76 +307,6 @@ class Engine:
                     self.ctx.memory.seq_cp(req.prefill_seq, other.seq_id)
                 req.phase = Phase.DECODE
 
-    def _sample(self, plan: list[Planned], touched: dict[str, Request]) -> None:
-        """Sample every output row (one vectorised call); a request whose rows fail fails alone."""
-        rows: list[int] = []
-        targets: list[tuple[Request, Completion]] = []
-        for k, part in enumerate(p for p in plan if p.output):
-            for c in [part.completion] if part.completion is not None else part.req.completions:
-                rows.append(k)
-                targets.append((part.req, c))
-        if not targets:
-            return
-        logits = self.ctx.logits[torch.tensor(rows, dtype=torch.long)]
-        by_request: dict[str, list[int]] = {}
-        for i, (req, _) in enumerate(targets):
-            by_request.setdefault(req.request_id, []).append(i)
-        params = [req.params for req, _ in targets]
-        histories = (
-            [req.prompt_tokens + c.tokens for req, c in targets]
-            if any(p.has_penalties for p in params)
-            else None
-        )
-        try:  # a bad row is reported in out.errors; only a bug raises here
-            out = self.sampler.sample(logits, params, histories, [c.generator for _, c in targets])
-        except Exception as exc:
-            for idx in by_request.values():
-                self._fail(targets[idx[0]][0], ErrorKind.REQUEST, f"sampling failed: {exc}", state_lost=False)
-            return
-        for idx in by_request.values():
-            bad = [i for i in idx if out.errors[i] is not None]
-            if bad:
-                bad_state = not bool(torch.isfinite(logits[bad]).all())
-                message = _sampling_error(out.errors[bad[0]] or "", bad_state)
-                self._fail(targets[idx[0]][0], ErrorKind.REQUEST, message, state_lost=bad_state)
-        for idx in by_request.values():
-            req = targets[idx[0]][0]
-            touched[req.request_id] = req
-            if req.finished:
-                continue
-            try:
-                for i in idx:
-                    self._append(req, targets[i][1], out.tokens[i], out.logprobs[i])
-            except Exception as exc:
-                self._fail(req, ErrorKind.REQUEST, f"post-processing failed: {exc}")
-                continue
-            if all(c.finished for c in req.completions):
-                self._release(req)
-
-    def _append(self, req: Request, c: Completion, token: int, logprob) -> None:
-        self.stats.generated_tokens += 1
-        c.tokens.append(token)
-        if logprob is not None:
-            c.logprobs.append(logprob)
-        eos = self.tokenizer.eos_token_id if self.tokenizer else None
-        if token == eos and not req.params.ignore_eos:
-            self._finish(req, c, FinishReason.STOP)
-            return
-        if c.detok is not None:
-            delta = c.detok.push(token)
-            c.text += delta
-            if req.params.stop and cut_at_stop(c, req.params.stop, len(delta)):
-                self._finish(req, c, FinishReason.STOP, flush=False)
-                return
-        if req.params.max_tokens is not None and len(c.tokens) >= req.params.max_tokens:
-            self._finish(req, c, FinishReason.LENGTH)
-
-    def _finish(self, req: Request, c: Completion, reason: FinishReason, *, flush: bool = True) -> None:
-        if flush and c.detok is not None:
-            c.text += c.detok.flush()
-        c.finish_reason = reason
-        self._free_completion(c, req)
-
     # ------------------------------------------------------------ failures
 
     def _fail_batch(self, plan: list[Planned], exc: BaseException) -> None:
@@ -378,101 +320,18 @@ class Engine:
         reqs = list({id(p.req): p.req for p in plan}.values())
         if not isinstance(exc, Exception):  # interrupted (Ctrl-C): the batch's requests end
             for req in reqs:
-                self._fail(req, ErrorKind.MODEL, "interrupted", reason=FinishReason.ABORT)
+                self.lifecycle.fail(req, ErrorKind.MODEL, "interrupted", reason=FinishReason.ABORT)
             return
         message = f"the model failed: {type(exc).__name__}: {exc}"
         self.stats.failed_steps += 1
         self.health.step_failed(message)
         if len(reqs) == 1 or any(r.suspect for r in reqs):
             for req in reqs:
-                self._fail(req, ErrorKind.MODEL, message)
+                self.lifecycle.fail(req, ErrorKind.MODEL, message)
             return
         for req in reqs:
             req.suspect = True
             plan_replay(req)
-
-    def _fail(
-        self,
-        req: Request,
-        kind: ErrorKind,
-        message: str,
-        *,
-        state_lost: bool = True,
-        reason: FinishReason | None = None,
-    ) -> None:
-        """Finish ``req`` with an error: its sequences are cleared and nothing of it is cached; a session
-        it ran in is emptied (its state was lost or cannot be trusted)."""
-        if req.finished:
-            return
-        req.error_kind = kind
-        for c in req.completions:
-            if not c.finished:
-                c.finish_reason = reason or FinishReason.ERROR
-                c.error = message
-        if req.session is not None and state_lost:
-            self._empty_session(req)
-        self.stats.requests_failed += 1
-        self._release(req, cache=False)
-
-    # ------------------------------------------------------------ freeing
-
-    def _free_completion(self, c: Completion, req: Request, *, cache: bool = True) -> None:
-        """Return a finished completion's sequence; with the prompt cache, its state stays for reuse."""
-        if c.seq_id < 0 or self.pool.session_of(c.seq_id) is not None:
-            return
-        folded: list[int] | None = None
-        if cache and (c.index == 0 or req.phase is Phase.DECODE):
-            folded = req.prompt_tokens[: req.n_prefilled] + c.tokens[:-1]
-            if self.checkpoints is not None and c.index == 0 and folded and req.session is None:
-                self.checkpoints.take(folded, c.seq_id, "end")
-        # else: a failure, or a fork whose prompt never finished (nothing in its sequence)
-        self.pool.release(c.seq_id, folded)
-        c.seq_id = -1
-
-    def _empty_session(self, req: Request) -> None:
-        """The session's state was lost or cannot be trusted: clear it; the session stays usable."""
-        assert req.session is not None
-        self._clear_seq(req.session.seq_id)
-        req.session.tokens, req.session.pending, req.session.busy = [], [], False
-        req.session = None  # the session's sequence is not the request's to free
-        req.completions[0].seq_id = -1
-
-    def _release(self, req: Request, *, cache: bool = True) -> None:
-        """Finish a request: free every sequence it still holds (a session keeps its own).
-
-        A request ended while a lost state was being replayed (``_fail_batch``) holds sequences whose
-        states match none of its tokens: nothing of it is cached, and its session is emptied."""
-        if any(c.replay for c in req.completions):
-            cache = False
-            if req.session is not None:
-                self._empty_session(req)
-        if req.session is not None:
-            self._end_session_request(req)
-        for c in req.completions:
-            if c.finish_reason is None:
-                c.finish_reason = FinishReason.ABORT
-            self._free_completion(c, req, cache=cache)
-        if req in self.running:
-            self.running.remove(req)
-        if req.phase is not Phase.FINISHED:
-            req.phase = Phase.FINISHED
-            self.stats.requests_finished += 1
-
-    def _clear_seq(self, seq: int) -> None:
-        self.ctx.memory.seq_rm(seq, -1, -1)
-
-    def _end_session_request(self, req: Request) -> None:
-        """Record what the finished request folded into the session's state."""
-        session = req.session
-        assert session is not None
-        c = req.completions[0]
-        if req.phase is Phase.DECODE:
-            session.tokens += req.prompt_tokens + c.tokens[:-1]
-            session.pending = c.tokens[-1:]
-        else:  # aborted during prefill: only the processed part of the prompt is in the state
-            session.tokens += req.prompt_tokens[: req.n_prefilled]
-            session.pending = req.prompt_tokens[req.n_prefilled :]
-        session.busy = False
 
     # ---------------------------------------------------- sessions and slots
 
@@ -502,83 +361,18 @@ class Engine:
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's state in one read (for servers: call it on the thread that drives the engine)."""
-        running = {c.seq_id: r.request_id for r in self.running for c in r.completions if c.seq_id >= 0}
-        pool, memory = self.pool, self.ctx.memory
-        slots = tuple(
-            SlotInfo(
-                s,
-                s in running or pool.session_of(s) is not None,
-                running.get(s),
-                len(pool.cached_tokens(s)),
-            )
-            for s in range(self.ctx.n_seq_max)
+        return take_snapshot(
+            self.ctx.memory, self.pool, self.waiting, self.running, self.stats, self.health, self.checkpoints
         )
-        health, reason = self.health.status()
-        s = self.stats
-        return EngineSnapshot(
-            n_slots=self.ctx.n_seq_max,
-            waiting=sum(1 for r in self.waiting if not r.finished),
-            waiting_seqs=sum(r.params.n for r in self.waiting if not r.finished),
-            running=len(self.running),
-            free_slots=pool.n_free,
-            slots=slots,
-            prompt_tokens=s.prompt_tokens,
-            cached_prompt_tokens=s.cached_prompt_tokens,
-            generated_tokens=s.generated_tokens,
-            decode_seconds=s.decode_seconds,
-            steps=s.steps,
-            requests_finished=s.requests_finished,
-            requests_failed=s.requests_failed,
-            cells_active=self.active_cells(),
-            cells_used=memory.used,
-            cells_total=memory.size,
-            health=health,
-            health_reason=reason,
-            **self._cache_figures(),
-        )
-
-    def _count_cache_use(self, cached: int, restored: int) -> None:
-        if restored:
-            self.stats.cache_hits_checkpoint += 1
-        elif cached:
-            self.stats.cache_hits_extension += 1
-        else:
-            self.stats.cache_misses += 1
-
-    def _cache_figures(self) -> dict[str, int]:
-        s = self.stats
-        hits = {
-            "cache_hits_extension": s.cache_hits_extension,
-            "cache_hits_checkpoint": s.cache_hits_checkpoint,
-            "cache_misses": s.cache_misses,
-        }
-        cache = self.checkpoints
-        if cache is None:
-            return hits
-        return hits | {
-            "cache_entries": len(cache),
-            "cache_bytes": cache.nbytes,
-            "cache_evictions": cache.tree.stats.evictions,
-            "checkpoints_taken": cache.stats.taken,
-            "checkpoint_restores": cache.stats.restored,
-            "checkpoint_tokens": cache.stats.restored_tokens,
-        }
 
     def active_cells(self) -> int:
         """Cells held by running requests and sessions (the rest of ``memory.used`` is cache)."""
-        return sum(
-            1
-            for s in range(self.ctx.n_seq_max)
-            if not self.pool.is_free(s) and self.ctx.memory.seq_pos_max(s) >= 0
-        )
+        return active_cells(self.ctx.memory, self.pool)
+
+    def _clear_seq(self, seq: int) -> None:
+        self.ctx.memory.seq_rm(seq, -1, -1)
 
     def run_until_done(self) -> Iterator[RequestOutput]:
         """Step until nothing is left, yielding every report."""
         while self.has_unfinished:
             yield from self.step()
-
-
-def _sampling_error(detail: str, bad_state: bool) -> str:
-    if bad_state:
-        return "the model produced non-finite logits for this request (its state is not finite)"
-    return f"its sampling parameters made the logits unusable: {detail}"

@@ -2,8 +2,13 @@
 
 A sequence is in exactly one of three places: running a request (neither free nor held), free (maybe
 with a cached state and the tokens it folds, oldest cache first), or held by a session. The pool only
-does bookkeeping; it changes the memory through one callback, ``clear(seq)``, which empties a
-sequence's state.
+does bookkeeping; it changes the memory through two callbacks: ``clear(seq)`` empties a sequence's
+state, and ``trim(seq, n)`` rolls it back to its first ``n`` tokens (a memory with ``n_rs_seq`` can,
+for its last ``rollback_depth`` tokens) and says whether it could.
+
+A new prompt reuses a free sequence's cached state when the prompt extends the tokens it folds, or,
+with a rollback depth, when the two part at most ``rollback_depth`` tokens before the cached end (a chat
+client re-sending the last answer re-tokenized, a regenerate of a short answer).
 """
 
 from __future__ import annotations
@@ -14,10 +19,20 @@ from rsmem.engine.request import Session
 
 
 class SequencePool:
-    def __init__(self, n_seq: int, clear: Callable[[int], None], *, prompt_cache: bool) -> None:
+    def __init__(
+        self,
+        n_seq: int,
+        clear: Callable[[int], None],
+        *,
+        prompt_cache: bool,
+        trim: Callable[[int, int], bool] | None = None,
+        rollback_depth: int = 0,
+    ) -> None:
         self.n_seq = n_seq
         self.prompt_cache = prompt_cache
         self._clear = clear
+        self._trim = trim
+        self.rollback_depth = rollback_depth if trim is not None else 0
         self._free: list[int] = list(range(n_seq))
         self._cached: dict[int, list[int]] = {}  # free seq -> tokens its state folds (insertion = age)
         self._sessions: dict[int, Session] = {}
@@ -53,32 +68,46 @@ class SequencePool:
         pool must have a free sequence."""
         free = [s for s in self._free if s not in avoid] or list(self._free)
         best, best_len = -1, 0
-        for seq, tokens in self._cached.items():
-            if seq in free and best_len < len(tokens) < len(prompt) and prompt[: len(tokens)] == tokens:
-                best, best_len = seq, len(tokens)
+        for seq in self._cached:
+            n = self.covered(seq, prompt)[0] if seq in free else 0
+            if n > best_len:
+                best, best_len = seq, n
         if best >= 0:
             return best
         uncached = [s for s in free if s not in self._cached]
         return min(uncached) if uncached else next(s for s in self._cached if s in free)
 
-    def reusable(self, seq: int, prompt: list[int]) -> int:
-        """How many of ``prompt``'s tokens ``seq``'s cached state covers (0 unless a proper prefix)."""
+    def covered(self, seq: int, prompt: list[int]) -> tuple[int, bool]:
+        """How many of ``prompt``'s tokens ``seq``'s cached state can serve (always fewer than the
+        prompt's), and whether that needs a rollback of the state; ``(0, False)`` when none."""
         tokens = self._cached.get(seq)
-        if tokens and len(tokens) < len(prompt) and prompt[: len(tokens)] == tokens:
-            return len(tokens)
-        return 0
+        if not tokens:
+            return 0, False
+        if len(tokens) < len(prompt) and prompt[: len(tokens)] == tokens:
+            return len(tokens), False
+        if not self.rollback_depth:
+            return 0, False
+        n, limit = 0, min(len(tokens), len(prompt) - 1)
+        while n < limit and tokens[n] == prompt[n]:
+            n += 1
+        if n and len(tokens) - n <= self.rollback_depth:
+            return n, True
+        return 0, False
 
     # ------------------------------------------------------------ changes
 
-    def take(self, seq: int, prompt: list[int]) -> int:
-        """Take a free sequence for a request; returns how many prompt tokens its cached state covers
-        (the state is kept), else 0 (the state is cleared)."""
-        reused = self.reusable(seq, prompt)
+    def take(self, seq: int, prompt: list[int]) -> tuple[int, bool]:
+        """Take a free sequence for a request; returns how many prompt tokens its cached state serves
+        (the state is kept, rolled back if needed) and whether it was rolled back; else ``(0, False)``
+        (the state is cleared)."""
+        reused, cut = self.covered(seq, prompt)
+        if cut and self._trim is not None and not self._trim(seq, reused):
+            reused, cut = 0, False
         self._free.remove(seq)
         self._cached.pop(seq, None)
         if not reused:
             self._clear(seq)
-        return reused
+        return reused, cut
 
     def release(self, seq: int, folded: list[int] | None) -> None:
         """Return a sequence; with the prompt cache and ``folded`` tokens, its state stays for reuse."""

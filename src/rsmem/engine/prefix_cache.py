@@ -13,7 +13,8 @@ Eviction keeps the most valuable bytes under ``budget_bytes``. A checkpoint's sc
 (hits: matches served; n_tokens: the prefill it saves; last_used: its insertion or latest match). The
 lowest score goes first; equal scores evict the least recently used, then the oldest handle. A pinned
 checkpoint (one being restored right now) is never evicted, removed or replaced until it is unpinned.
-The cache only does bookkeeping: it never copies or frees payloads, it drops its references to them.
+The cache only does bookkeeping: it never copies or frees payloads, it drops its references to them;
+``on_evict(payload)`` (optional) hears of each checkpoint dropped to make room (a disk tier deletes its file).
 An eviction sorts the unpinned checkpoints (O(n log n) in their number). Not thread-safe: one owner calls it.
 """
 
@@ -92,13 +93,19 @@ def _common(edge: list[int], toks: list[int], i: int) -> int:
 
 class PrefixCache(Generic[P]):
     def __init__(
-        self, budget_bytes: int, clock: Callable[[], float] = time.monotonic, *, half_life: float = 300.0
+        self,
+        budget_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        half_life: float = 300.0,
+        on_evict: Callable[[P], None] | None = None,
     ) -> None:
         if budget_bytes < 0 or half_life <= 0:
             raise ValueError(f"budget_bytes must be >= 0 and half_life > 0, got {budget_bytes}, {half_life}")
         self.budget_bytes = budget_bytes
         self.half_life = half_life
         self._clock = clock
+        self._on_evict = on_evict
         self._root: _Node[P] = _Node(edge=[], parent=None, depth=0)
         self._nodes: dict[Handle, _Node[P]] = {}  # every live handle -> the node holding its entry
         self._ids = itertools.count(1)
@@ -148,6 +155,17 @@ class PrefixCache(Generic[P]):
                 break
             node = child
         return i
+
+    def along(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        """The lengths of the stored keys that are prefixes of ``tokens``, ascending (looks only)."""
+        toks, node, found = list(map(int, tokens)), self._root, []
+        while True:
+            if node.entry is not None and node.depth:
+                found.append(node.depth)
+            child = node.children.get(toks[node.depth]) if node.depth < len(toks) else None
+            if child is None or _common(child.edge, toks, node.depth) < len(child.edge):
+                return tuple(found)
+            node = child
 
     def match(
         self, tokens: Sequence[int], *, max_len: int | None = None, touch: bool = True
@@ -281,7 +299,9 @@ class PrefixCache(Generic[P]):
     def _evict(self, victims: list[_Entry[P]]) -> None:
         for v in victims:
             self._drop(v)
-        self._stats.evictions += len(victims)
+            self._stats.evictions += 1
+            if self._on_evict is not None:
+                self._on_evict(v.payload)
 
     def _find(self, toks: list[int], *, create: bool = False) -> _Node[P] | None:
         """The node whose path is ``toks``; ``create`` makes it (splitting an edge or adding a leaf)."""

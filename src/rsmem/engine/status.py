@@ -23,8 +23,20 @@ class EngineStats:
     requests_failed: int = 0
     failed_steps: int = 0
     cache_hits_extension: int = 0  # prompts continued from a free sequence's own kept state
+    cache_hits_rollback: int = 0  # prompts continued from a free sequence's state rolled back (n_rs_seq)
     cache_hits_checkpoint: int = 0  # prompts continued from a checkpoint of the prefix cache
     cache_misses: int = 0  # prompts computed from the start
+
+    def count_cache_use(self, kind: str) -> None:
+        """A prompt started: ``kind`` is "extension", "rollback", "checkpoint" or "miss"."""
+        if kind == "extension":
+            self.cache_hits_extension += 1
+        elif kind == "rollback":
+            self.cache_hits_rollback += 1
+        elif kind == "checkpoint":
+            self.cache_hits_checkpoint += 1
+        else:
+            self.cache_misses += 1
 
 
 class Health:
@@ -61,6 +73,7 @@ class SlotInfo:
     busy: bool  # running a request or held by a session
     request_id: str | None
     n_cached_tokens: int  # tokens a free slot's kept state folds
+    checkpoints: tuple[int, ...] = ()  # token counts of the prefix cache's checkpoints along those tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,5 +105,6 @@ class EngineSnapshot:
     checkpoint_restores: int = 0  # requests that started from a checkpoint
     checkpoint_tokens: int = 0  # prompt tokens those checkpoints covered
     cache_hits_extension: int = 0
+    cache_hits_rollback: int = 0
     cache_hits_checkpoint: int = 0
     cache_misses: int = 0

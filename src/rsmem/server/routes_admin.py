@@ -125,6 +125,7 @@ async def metrics(request: Request) -> PlainTextResponse:
         "# HELP rsmem_prompt_cache_hits_total Prompts continued from a kept state, by kind.",
         "# TYPE rsmem_prompt_cache_hits_total counter",
         f'rsmem_prompt_cache_hits_total{{kind="extension"}} {m.cache_hits_extension}',
+        f'rsmem_prompt_cache_hits_total{{kind="rollback"}} {m.cache_hits_rollback}',
         f'rsmem_prompt_cache_hits_total{{kind="checkpoint"}} {m.cache_hits_checkpoint}',
         _metric(
             "rsmem_prompt_cache_misses_total", "counter", "Prompts computed from the start.", m.cache_misses
@@ -160,7 +161,13 @@ def _health_value(m: EngineSnapshot) -> float:
 async def slots(request: Request) -> list[dict[str, Any]]:
     snap = await snapshot(app_state(request))
     return [
-        {"id": s.id, "busy": s.busy, "request_id": s.request_id, "n_cached_tokens": s.n_cached_tokens}
+        {
+            "id": s.id,
+            "busy": s.busy,
+            "request_id": s.request_id,
+            "n_cached_tokens": s.n_cached_tokens,
+            "checkpoints": list(s.checkpoints),
+        }
         for s in snap.slots
     ]
 

@@ -1,0 +1,118 @@
+"""How requests end: finishing a completion, failing a request, and freeing (and caching) sequences.
+
+A finished completion returns its sequence to the pool; with the prompt cache its state stays there for
+a prompt that extends it, and with the prefix cache a checkpoint of it is taken. A failed request caches
+nothing (its state was lost or cannot be trusted) and empties the session it ran in.
+"""
+
+from __future__ import annotations
+
+from rsmem.engine.checkpoints import CheckpointCache
+from rsmem.engine.pool import SequencePool
+from rsmem.engine.request import Completion, ErrorKind, FinishReason, Phase, Request
+from rsmem.engine.status import EngineStats
+from rsmem.memory.recurrent import RecurrentMemory
+
+
+class Lifecycle:
+    """Ends requests for the engine; ``running`` is the engine's list of running requests (shared)."""
+
+    def __init__(
+        self,
+        memory: RecurrentMemory,
+        pool: SequencePool,
+        checkpoints: CheckpointCache | None,
+        stats: EngineStats,
+        running: list[Request],
+    ) -> None:
+        self.memory = memory
+        self.pool = pool
+        self.checkpoints = checkpoints
+        self.stats = stats
+        self.running = running
+
+    def finish(self, req: Request, c: Completion, reason: FinishReason, *, flush: bool = True) -> None:
+        """End one completion (EOS, a stop string, its length); its request ends with its last one."""
+        if flush and c.detok is not None:
+            c.text += c.detok.flush()
+        c.finish_reason = reason
+        self.free_completion(c, req)
+
+    def fail(
+        self,
+        req: Request,
+        kind: ErrorKind,
+        message: str,
+        *,
+        state_lost: bool = True,
+        reason: FinishReason | None = None,
+    ) -> None:
+        """Finish ``req`` with an error: its sequences are cleared and nothing of it is cached; a session
+        it ran in is emptied (its state was lost or cannot be trusted)."""
+        if req.finished:
+            return
+        req.error_kind = kind
+        for c in req.completions:
+            if not c.finished:
+                c.finish_reason = reason or FinishReason.ERROR
+                c.error = message
+        if req.session is not None and state_lost:
+            self.empty_session(req)
+        self.stats.requests_failed += 1
+        self.release(req, cache=False)
+
+    def release(self, req: Request, *, cache: bool = True) -> None:
+        """Finish a request: free every sequence it still holds (a session keeps its own).
+
+        A request ended while a lost state was being replayed (the engine's ``_fail_batch``) holds
+        sequences whose states match none of its tokens: nothing of it is cached, and its session is
+        emptied."""
+        if any(c.replay for c in req.completions):
+            cache = False
+            if req.session is not None:
+                self.empty_session(req)
+        if req.session is not None:
+            self._end_session_request(req)
+        for c in req.completions:
+            if c.finish_reason is None:
+                c.finish_reason = FinishReason.ABORT
+            self.free_completion(c, req, cache=cache)
+        if req in self.running:
+            self.running.remove(req)
+        if req.phase is not Phase.FINISHED:
+            req.phase = Phase.FINISHED
+            self.stats.requests_finished += 1
+
+    def free_completion(self, c: Completion, req: Request, *, cache: bool = True) -> None:
+        """Return a finished completion's sequence; with the prompt cache, its state stays for reuse."""
+        if c.seq_id < 0 or self.pool.session_of(c.seq_id) is not None:
+            return
+        folded: list[int] | None = None
+        if cache and (c.index == 0 or req.phase is Phase.DECODE):
+            folded = req.prompt_tokens[: req.n_prefilled] + c.tokens[:-1]
+            if self.checkpoints is not None and c.index == 0 and folded and req.session is None:
+                self.checkpoints.take(folded, c.seq_id, "end")
+        # else: a failure, or a fork whose prompt never finished (nothing in its sequence)
+        self.pool.release(c.seq_id, folded)
+        c.seq_id = -1
+
+    def empty_session(self, req: Request) -> None:
+        """The session's state was lost or cannot be trusted: clear it; the session stays usable."""
+        assert req.session is not None
+        self.memory.seq_rm(req.session.seq_id, -1, -1)
+        req.session.tokens, req.session.pending, req.session.busy = [], [], False
+        req.session = None  # the session's sequence is not the request's to free
+        req.completions[0].seq_id = -1
+
+    def _end_session_request(self, req: Request) -> None:
+        """Record what the finished request folded into the session's state."""
+        session = req.session
+        assert session is not None
+        c = req.completions[0]
+        if req.phase is Phase.DECODE:
+            session.tokens += req.prompt_tokens + c.tokens[:-1]
+            session.pending = c.tokens[-1:]
+        else:  # aborted during prefill: only the processed part of the prompt is in the state
+            session.tokens += req.prompt_tokens[: req.n_prefilled]
+            session.pending = req.prompt_tokens[req.n_prefilled :]
+        session.busy = False
