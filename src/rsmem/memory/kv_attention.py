@@ -1,0 +1,125 @@
+"""The KV cache's plan for one batch (llama.cpp's ``llama_kv_cache_context``), and attention over it.
+
+A model's attention layer hands its queries, keys and values for the micro-batch's tokens to
+:meth:`KVCacheContext.attention`: the keys and values are stored in the cells ``apply`` placed, then each
+token attends to the cells of its own sequence (its first seq id) at positions up to its own (llama.cpp's
+causal KQ mask), through ``torch.nn.functional.scaled_dot_product_attention`` with that boolean mask.
+Tokens of each stream the micro-batch touches are one batch row of the product.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from rsmem.batch.batch import UBatch
+from rsmem.memory.context import MemoryStatus
+from rsmem.memory.kv_cells import SlotInfo
+
+if TYPE_CHECKING:
+    from rsmem.memory.kv_cache import KVCache
+
+
+class KVCacheContext:
+    """Micro-batches planned for the KV cache, applied one at a time."""
+
+    def __init__(
+        self, cache: KVCache, ubatches: list[UBatch], sinfos: list[SlotInfo], status: MemoryStatus
+    ) -> None:
+        self.cache = cache
+        self.ubatches = ubatches
+        self.sinfos = sinfos
+        self.status = status
+        self._i = 0
+        self._mask: torch.Tensor | None = None
+        self._index: torch.Tensor | None = None
+
+    @property
+    def ubatch(self) -> UBatch:
+        return self.ubatches[self._i]
+
+    @property
+    def sinfo(self) -> SlotInfo:
+        return self.sinfos[self._i]
+
+    def apply(self) -> bool:
+        """Apply pending position shifts to the keys (before the first micro-batch), then place the
+        current micro-batch in its cells (the dry run found them)."""
+        if self.status is not MemoryStatus.SUCCESS:
+            raise RuntimeError(f"cannot apply a KV cache context with status {self.status.name}")
+        if self._i == 0:
+            self.cache.update()
+        self.cache.apply_ubatch(self.sinfo, self.ubatch)
+        self._mask = self._index = None
+        return True
+
+    def next(self) -> bool:
+        self._i += 1
+        self._mask = self._index = None
+        return self._i < len(self.ubatches)
+
+    # ------------------------------------------------------------ attention
+
+    def n_kv(self) -> int:
+        """Cells attention reads in each stream of the micro-batch: up to the last used one."""
+        return max(self.cache.streams[st].used_max_p1() for st, _ in self.sinfo.groups)
+
+    def _row_index(self) -> torch.Tensor:
+        """Flat row (``stream * size + cell``) of each token of the micro-batch, in micro-batch order."""
+        if self._index is None:
+            size = self.cache.size
+            rows = [st * size + i for st, idxs in self.sinfo.groups for i in idxs]
+            self._index = torch.tensor(rows, dtype=torch.long, device=self.cache.device)
+        return self._index
+
+    def mask(self) -> torch.Tensor:
+        """``[n_groups, n_per_group, n_kv]`` bool: token ``t`` of group ``g`` may attend to cell ``j``
+        (same sequence, position not after the token's). Built once per micro-batch."""
+        if self._mask is not None:
+            return self._mask
+        ub, n_kv, n = self.ubatch, self.n_kv(), self.sinfo.n_per_group
+        masks = []
+        for g, (st, _) in enumerate(self.sinfo.groups):
+            cells = self.cache.streams[st]
+            tokens = range(g * n, (g + 1) * n)
+            seqs = sorted({ub.seq_ids[t][0] for t in tokens})
+            member = torch.tensor([[s in cells.seqs[j] for j in range(n_kv)] for s in seqs], dtype=torch.bool)
+            which = torch.tensor([seqs.index(ub.seq_ids[t][0]) for t in tokens], dtype=torch.long)
+            cell_pos = torch.tensor(cells.pos[:n_kv], dtype=torch.long)
+            tok_pos = torch.tensor([ub.pos[t] for t in tokens], dtype=torch.long)
+            masks.append(member[which] & (cell_pos >= 0) & (cell_pos[None, :] <= tok_pos[:, None]))
+        self._mask = torch.stack(masks).to(self.cache.device)
+        return self._mask
+
+    def store_kv(self, il: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write layer ``il``'s keys and values of the micro-batch's tokens (``[n_tokens, ...]``, micro-batch
+        order) into their cells."""
+        k_all, v_all = self.cache.k_l[il], self.cache.v_l[il]
+        index = self._row_index()
+        n_tokens = index.numel()
+        k_all.view(-1, k_all.shape[-1]).index_copy_(0, index, k.reshape(n_tokens, -1).to(k_all.dtype))
+        v_all.view(-1, v_all.shape[-1]).index_copy_(0, index, v.reshape(n_tokens, -1).to(v_all.dtype))
+
+    def attention(
+        self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Store ``k``, ``v`` and attend: ``q`` ``[n_tokens, n_head, d_k]``, ``k`` ``[n_tokens, n_head_kv,
+        d_k]``, ``v`` ``[n_tokens, n_head_kv, d_v]``, in micro-batch order. Returns ``[n_tokens, n_head *
+        d_v]`` (float32 when ``q`` is)."""
+        self.store_kv(il, k, v)
+        n_head, d_k = q.shape[1], q.shape[2]
+        n_head_kv, d_v = v.shape[1], v.shape[2]
+        mask = self.mask()
+        n_groups, n, n_kv = mask.shape
+        streams = torch.tensor([st for st, _ in self.sinfo.groups], dtype=torch.long, device=q.device)
+        keys = self.cache.k_l[il][:, :n_kv].index_select(0, streams).to(q.dtype)
+        values = self.cache.v_l[il][:, :n_kv].index_select(0, streams).to(q.dtype)
+        keys = keys.view(n_groups, n_kv, n_head_kv, d_k).transpose(1, 2)  # [G, Hkv, n_kv, d_k]
+        values = values.view(n_groups, n_kv, n_head_kv, d_v).transpose(1, 2)
+        queries = q.reshape(n_groups, n, n_head, d_k).transpose(1, 2)  # [G, H, n, d_k]
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=n_head != n_head_kv
+        )  # [G, H, n, d_v]
+        return out.transpose(1, 2).reshape(n_groups * n, n_head * d_v)
