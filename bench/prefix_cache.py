@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--system-words", type=int, default=600, help="~1.6 tokens a word with the default model")
     ap.add_argument("--workloads", nargs="+", default=["chat", "regenerate", "fanout"])
+    ap.add_argument("--servers", nargs="+", default=list(SERVERS), choices=list(SERVERS))
+    ap.add_argument("--by-turn", action="store_true", help="also print the median TTFT of each turn")
     args = ap.parse_args()
     llm = LLM(default_model_path(), n_seq_max=args.parallel, n_batch=512)
     words = SENTENCE.split()
@@ -166,7 +168,8 @@ def main() -> None:
     results: dict[tuple[str, str], list[tuple[Tally, int]]] = {}
     for r in range(args.rounds):
         for workload in args.workloads:
-            for name, options in SERVERS.items():
+            for name in args.servers:
+                options = SERVERS[name]
                 url, server, thread, served = serve(llm, options)
                 try:
                     tally = asyncio.run(run_workload(url, workload, args, system))
@@ -202,6 +205,10 @@ def main() -> None:
             f"| {statistics.median(p99) * 1e3:.0f} ms (max {max(p99) * 1e3:.0f}) "
             f"| {statistics.median(ratio) if ratio else float('nan'):.2f} | {mb:.1f} |"
         )
+    if args.by_turn:
+        for (workload, name), runs in results.items():
+            by_turn = {k: statistics.median(x for t, _ in runs for x in t.ttft_by_turn[k]) for k in turns}
+            print(workload, name, " ".join(f"{k + 1}:{v * 1e3:.0f}ms" for k, v in by_turn.items()))
 
 
 if __name__ == "__main__":

@@ -48,3 +48,36 @@ def test_template_from_hf_folder(tmp_path):
     assert load_chat_template(tmp_path) == JINJA
     (tmp_path / "tokenizer_config.json").write_text("{}")
     assert load_chat_template(tmp_path) is None
+
+
+def encoded_and_compared(tok, prompt: str, prefixes: list[str]) -> list[int]:
+    """The plain definition: each prefix encoded alone, compared token by token with the prompt's."""
+    tokens, out = tok.encode(prompt), []
+    for text in prefixes:
+        part, n = tok.encode(text), 0
+        while n < min(len(part), len(tokens)) and part[n] == tokens[n]:
+            n += 1
+        out.append(n)
+    return out
+
+
+def test_message_boundaries_from_one_encoding_match_encoding_every_prefix(shared_llm):
+    from types import SimpleNamespace
+
+    from rsmem.server.routes_openai import message_boundaries
+
+    tok = shared_llm.tokenizer
+    state = SimpleNamespace(tokenizer=tok)
+    messages = [{"role": "system", "content": "Thou art a player; speak in verse, ça va, 日本語. " * 5}]
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Who art thou, {turn}?  Nay—whence?"})
+        for template in (ChatTemplate(), ChatTemplate(JINJA, eos_token="</s>")):
+            prompt, prefixes = template.render(messages), template.message_prefixes(messages)
+            tokens, boundaries = message_boundaries(state, prompt, prefixes)
+            assert tokens == tok.encode(prompt)
+            assert boundaries == encoded_and_compared(tok, prompt, prefixes)
+            assert boundaries == sorted(boundaries) and 0 < boundaries[-1] < len(tokens)
+        messages.append({"role": "assistant", "content": "A poor player, that struts and frets"})
+    # a prefix that is not the prompt's start is encoded and compared
+    tokens, boundaries = message_boundaries(state, "User: Hello there\n", ["User: Hello", "Assistant: x"])
+    assert boundaries == encoded_and_compared(tok, "User: Hello there\n", ["User: Hello", "Assistant: x"])

@@ -18,6 +18,15 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """The tokens of ``text`` and where each ends in it (a character offset, non-decreasing)."""
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        ends, last = [], 0
+        for _, end in enc.offsets:
+            last = max(last, end)
+            ends.append(last)
+        return enc.ids, ends
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PLAIN_STOP = ("\nUser:",)
 
@@ -34,11 +36,7 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         if self.source:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            template = env.from_string(self.source)
-            return template.render(
+            return _compiled(self.source).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
@@ -71,6 +69,14 @@ class ChatTemplate:
             else:
                 parts.append(f"User: {m['content']}\n")
         return parts
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str) -> Any:
+    """A Jinja template compiled once (a chat turn renders it once per message for the boundaries)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
 
 
 def load_chat_template(model_path: str | Path) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -142,20 +143,25 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
 def message_boundaries(
     state: AppState, prompt: str, prefixes: list[str]
 ) -> tuple[str | list[int], list[int]]:
-    """The prompt's tokens and, for the prefix cache, where each message ends in them: the longest
-    common prefix of the prompt's tokens and each rendered prefix's (a merge across the boundary moves
-    it back, never past it). Without a tokenizer the text goes as it is, with no boundaries."""
+    """The prompt's tokens and, for the prefix cache, where each message ends in them: the tokens that
+    end within the rendered prefix (a token merged across the boundary moves it back, never past it).
+    One encoding of the prompt serves every prefix; a prefix that is not the prompt's start (a template
+    rendering partial conversations differently) is encoded and compared. Without a tokenizer the text
+    goes as it is, with no boundaries."""
     tok = state.tokenizer
     if tok is None:
         return prompt, []
-    tokens = tok.encode(prompt)
+    tokens, ends = tok.encode_with_ends(prompt)
     if not tokens:
         return prompt, []
     boundaries = []
     for text in prefixes:
+        if prompt.startswith(text):
+            boundaries.append(bisect.bisect_right(ends, len(text)))
+            continue
         part = tok.encode(text)
-        n = 0
-        while n < min(len(part), len(tokens)) and part[n] == tokens[n]:
+        n, limit = 0, min(len(part), len(tokens))
+        while n < limit and part[n] == tokens[n]:
             n += 1
         boundaries.append(n)
     return tokens, boundaries
