@@ -18,17 +18,29 @@ Where checkpoints are taken (positions are token counts):
 - when a request ends: its prompt and generated tokens (what its sequence holds then).
 
 Taking one ends a prefill chunk at that position (a shorter chunk, not a copy of the prompt).
+
+With a ``cache_dir`` (``--cache-dir``) every checkpoint kept is also written there, one file each
+(:mod:`rsmem.engine.cache_dir`), and a restart finds them: the longest prefix is looked up in RAM and on
+disk, and a disk entry's rows are read only when it is the one restored (it then joins the RAM cache).
+Saved slots and sessions carry the checkpoints along their tokens (:meth:`CheckpointCache.along`, written
+by :mod:`rsmem.engine.kept`), and restoring them adds those back (:meth:`CheckpointCache.add`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from rsmem.context import Context
+from rsmem.engine.cache_dir import DiskCache
 from rsmem.engine.prefix_cache import PrefixCache
 from rsmem.memory import checkpoint
+from rsmem.memory import checkpoint_file as cf
 from rsmem.memory.checkpoint import Checkpoint
 from rsmem.memory.recurrent import RecurrentMemory
+
+DEFAULT_DISK_BYTES = 4 << 30
 
 
 @dataclass(slots=True)
@@ -38,6 +50,8 @@ class CheckpointStats:
     restored_tokens: int = 0
     refused: int = 0  # did not fit the budget
     non_finite: int = 0  # not kept: the state held NaN or inf
+    disk_restores: int = 0  # restores read from the cache dir
+    added: int = 0  # checkpoints added from saved slots and sessions
     by_kind: dict[str, int] = field(default_factory=dict)
 
 
@@ -49,7 +63,13 @@ class CheckpointCache:
         *,
         interval: int = 0,
         codec: str = "exact",
+        fingerprint: bytes = bytes(cf.DIGEST_BYTES),
+        cache_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int = DEFAULT_DISK_BYTES,
     ) -> None:
+        """``fingerprint``: the model's (:func:`~rsmem.memory.checkpoint_file.model_fingerprint`), written
+        into checkpoint files and required of those read; ``cache_dir``: keep checkpoints there too, under
+        ``disk_bytes`` of files."""
         if interval < 0:
             raise ValueError(f"checkpoint interval must be >= 0, got {interval}")
         if codec not in checkpoint.CODECS:
@@ -59,39 +79,117 @@ class CheckpointCache:
         self.interval = interval
         self.codec = codec
         self.stats = CheckpointStats()
+        self.layout = cf.Layout.of(memory)
+        self.fingerprint = fingerprint
+        self.disk = None if cache_dir is None else DiskCache(cache_dir, self.layout, fingerprint, disk_bytes)
+
+    @classmethod
+    def for_context(
+        cls,
+        context: Context,
+        budget_bytes: int,
+        *,
+        interval: int = 0,
+        codec: str = "exact",
+        cache_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int = DEFAULT_DISK_BYTES,
+    ) -> CheckpointCache:
+        """A cache over ``context``'s memory, fingerprinted with its model."""
+        fingerprint = cf.model_fingerprint(context.model, cf.Layout.of(context.memory))
+        return cls(
+            context.memory,
+            budget_bytes,
+            interval=interval,
+            codec=codec,
+            fingerprint=fingerprint,
+            cache_dir=cache_dir,
+            disk_bytes=disk_bytes,
+        )
 
     def positions(self, prompt: Sequence[int], start: int, boundaries: Sequence[int] = ()) -> list[int]:
         """Where to checkpoint ``prompt`` after ``start`` tokens are in: sorted token counts."""
         end = len(prompt) - 1
         points = {end, self.tree.divergence(prompt), *boundaries}
+        if self.disk is not None:
+            points.add(self.disk.tree.divergence(prompt))
         if self.interval:
             points.update(range(self.interval, end, self.interval))
         return sorted(p for p in points if start < p <= end)
 
     def restore_best(self, prompt: Sequence[int], seq: int, at_least: int) -> int:
-        """Restore into ``seq`` the checkpoint of the longest cached proper prefix of ``prompt``, if it
-        covers more than ``at_least`` tokens; returns the tokens it covers (0: nothing restored)."""
-        found = self.tree.match(prompt, max_len=len(prompt) - 1)
-        if found is None or found.n_tokens <= at_least:
-            return 0
-        checkpoint.restore(self.memory, found.payload, seq)
+        """Restore into ``seq`` the checkpoint of the longest cached proper prefix of ``prompt`` (in RAM
+        or in the cache dir), if it covers more than ``at_least`` tokens; returns the tokens it covers
+        (0: nothing restored)."""
+        limit = len(prompt) - 1
+        found = self.tree.match(prompt, max_len=limit, touch=False)
+        in_ram = 0 if found is None else found.n_tokens
+        from_disk = self._from_disk(prompt, limit, max(in_ram, at_least))
+        if from_disk is not None:
+            n, ckpt = from_disk
+            self.stats.disk_restores += 1
+        else:
+            self.tree.match(prompt, max_len=limit)  # counts the hit or the miss
+            if found is None or in_ram <= at_least:
+                return 0
+            n, ckpt = in_ram, found.payload
+        checkpoint.restore(self.memory, ckpt, seq)
         self.stats.restored += 1
-        self.stats.restored_tokens += found.n_tokens
-        return found.n_tokens
+        self.stats.restored_tokens += n
+        return n
+
+    def _from_disk(self, prompt: Sequence[int], limit: int, beat: int) -> tuple[int, Checkpoint] | None:
+        """The longest disk entry along ``prompt`` covering more than ``beat`` tokens, read (a file that
+        fails is dropped and the next one tried); it joins the RAM cache."""
+        while self.disk is not None:
+            found = self.disk.match(prompt, limit)
+            if found is None or found.n_tokens <= beat:
+                return None
+            key = list(prompt[: found.n_tokens])
+            ckpt = self.disk.load(key)
+            if ckpt is not None:
+                self._keep(key, ckpt, "disk")
+                return found.n_tokens, ckpt
+        return None
 
     def take(self, tokens: Sequence[int], seq: int, kind: str) -> None:
         """Checkpoint ``seq``'s state as the state after ``tokens``."""
         ckpt = checkpoint.take(self.memory, seq, self.codec)
         if ckpt is None or not tokens:
             return
+        if self.add(tokens, ckpt, kind):
+            self.stats.taken += 1
+            self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
+
+    def add(self, tokens: Sequence[int], ckpt: Checkpoint, kind: str) -> bool:
+        """Keep ``ckpt`` as the state after ``tokens`` (in RAM, and in the cache dir when there is one);
+        False when it is not finite or fits neither."""
         if not ckpt.is_finite():  # never serve a broken state to the requests after this one
             self.stats.non_finite += 1
-            return
+            return False
+        kept = self._keep(tokens, ckpt, kind)
+        if self.disk is not None:
+            kept = self.disk.put(tokens, ckpt) or kept
+        return kept
+
+    def _keep(self, tokens: Sequence[int], ckpt: Checkpoint, kind: str) -> bool:
         if self.tree.insert(tokens, ckpt, kind=kind) is None:
             self.stats.refused += 1
-            return
-        self.stats.taken += 1
-        self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
+            return False
+        return True
+
+    def along(self, tokens: Sequence[int]) -> list[tuple[int, Checkpoint]]:
+        """Every checkpoint kept (RAM, then the cache dir) whose tokens are a prefix of ``tokens``, as
+        (n_tokens, checkpoint), shortest first."""
+        found: dict[int, Checkpoint] = {}
+        for n in self.tree.along(tokens):
+            match = self.tree.match(tokens, max_len=n, touch=False)
+            if match is not None and match.n_tokens == n:
+                found[n] = match.payload
+        if self.disk is not None:
+            for n in self.disk.keys_along(tokens):
+                if n not in found and (ckpt := self.disk.load(list(tokens[:n]))) is not None:
+                    found[n] = ckpt
+        return sorted(found.items(), key=lambda item: item[0])
 
     @property
     def nbytes(self) -> int:

@@ -21,12 +21,13 @@ engine stays usable after any failure; ``snapshot().health`` says whether failur
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 
 from rsmem.context import Context
-from rsmem.engine.checkpoints import CheckpointCache
+from rsmem.engine.checkpoints import DEFAULT_DISK_BYTES, CheckpointCache
 from rsmem.engine.kept import KeptSequences
 from rsmem.engine.lifecycle import Lifecycle
 from rsmem.engine.output import OutputProcessor
@@ -66,10 +67,13 @@ class Engine:
         cache_bytes: int = 0,
         checkpoint_interval: int = 0,
         checkpoint_codec: str = "exact",
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_disk_bytes: int = DEFAULT_DISK_BYTES,
     ) -> None:
         """``cache_bytes`` > 0 keeps a prefix cache of checkpoints of that many bytes (see
         ``engine/checkpoints.py``), also every ``checkpoint_interval`` prompt tokens, in
-        ``checkpoint_codec``."""
+        ``checkpoint_codec``; with ``cache_dir`` the checkpoints are kept there too (up to
+        ``cache_disk_bytes``), and found again by an engine started later (``engine/cache_dir.py``)."""
         self.ctx = context
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens or context.n_batch
@@ -93,12 +97,19 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.health = Health()
-        self.kept = KeptSequences(context, self.pool)
         self.checkpoints = (
-            CheckpointCache(context.memory, cache_bytes, interval=checkpoint_interval, codec=checkpoint_codec)
+            CheckpointCache.for_context(
+                context,
+                cache_bytes,
+                interval=checkpoint_interval,
+                codec=checkpoint_codec,
+                cache_dir=cache_dir,
+                disk_bytes=cache_disk_bytes,
+            )
             if cache_bytes > 0
             else None
         )
+        self.kept = KeptSequences(context, self.pool, self.checkpoints)
         self.builder = RequestBuilder(self.limits, tokenizer)
         self.lifecycle = Lifecycle(memory, self.pool, self.checkpoints, self.stats, self.running)
         self.output = OutputProcessor(Sampler(), tokenizer, self.stats, self.lifecycle)
