@@ -14,6 +14,7 @@ snapshot and ``p0 - 1`` (see :mod:`rsmem.memory.rollback`). 0, the default, keep
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -22,6 +23,7 @@ from rsmem.batch.batch import Batch, UBatch
 from rsmem.errors import InvalidBatchError, NoSlotError
 from rsmem.memory import state_io
 from rsmem.memory.context import MemoryStatus
+from rsmem.memory.hybrid import HybridMemory
 from rsmem.memory.recurrent import RecurrentMemory, StateShape
 from rsmem.memory.rollback import ScratchState
 from rsmem.models.protocol import RecurrentModel
@@ -40,20 +42,40 @@ class Context:
         state_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         n_rs_seq: int = 0,
+        n_ctx: int = 4096,
+        kv_unified: bool = False,
     ) -> None:
+        """``n_ctx``, ``kv_unified``: the KV cache of a hybrid model's attention layers (``n_ctx`` cells in
+        all: one stream of them shared by every sequence, or ``n_ctx / n_seq_max`` per sequence, as
+        llama.cpp's context parameters); a model without attention layers ignores them."""
         if n_batch < 1 or n_ubatch < 1:
             raise ValueError(f"n_batch and n_ubatch must be positive, got {n_batch} and {n_ubatch}")
         self.model = model
         self.n_batch = n_batch
         self.n_ubatch = min(n_ubatch, n_batch)
-        self.memory = RecurrentMemory(
-            StateShape(model.n_layer, model.n_embd_r, model.n_embd_s),
-            n_seq_max,
-            dtype=state_dtype,
-            device=device,
-            layer_filter=model.is_recurrent_layer,
-            n_rs_seq=n_rs_seq,
-        )
+        self.memory: RecurrentMemory
+        if isinstance(getattr(model, "kv_layers", None), Mapping):  # a hybrid: attention layers in a KV cache
+            if n_rs_seq:
+                raise ValueError("n_rs_seq rollback is not supported for hybrid models yet")
+            # HybridMemory offers the memory interface decode and the sequence operations use; state files
+            # go through memory.state_write / state_read (see rsmem.memory.hybrid)
+            self.memory = HybridMemory.for_model(  # type: ignore[assignment]
+                model,  # type: ignore[arg-type]
+                n_seq_max,
+                n_ctx=n_ctx,
+                kv_unified=kv_unified,
+                state_dtype=state_dtype,
+                device=device,
+            )
+        else:
+            self.memory = RecurrentMemory(
+                StateShape(model.n_layer, model.n_embd_r, model.n_embd_s),
+                n_seq_max,
+                dtype=state_dtype,
+                device=device,
+                layer_filter=model.is_recurrent_layer,
+                n_rs_seq=n_rs_seq,
+            )
         if self.memory.rollback is not None:
             self.memory.rollback.bind(self._replay, self.n_ubatch)
         self._balloc = BatchAllocator()

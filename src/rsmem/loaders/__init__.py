@@ -15,6 +15,7 @@ from rsmem.loaders.gguf import is_gguf, read_gguf
 from rsmem.loaders.hf import is_hf_folder, read_hf
 from rsmem.loaders.tokenizer import TokenizerData, build_tokenizer
 from rsmem.models.compiled import CompileSetting
+from rsmem.models.lfm2 import Lfm2Model
 from rsmem.models.mamba import MambaModel
 from rsmem.models.mamba2 import Mamba2Model
 
@@ -39,7 +40,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     n_threads: int | None = None,
     compile: CompileSetting = None,
-) -> MambaModel | Mamba2Model:
+) -> MambaModel | Mamba2Model | Lfm2Model:
     """Load a model; ``model.tokenizer`` is its ``tokenizers.Tokenizer`` when the file carries one.
 
     ``dtype`` is the matrices' compute dtype (float32 or bfloat16); ``n_threads`` sets torch's intra-op

@@ -14,10 +14,11 @@ import torch
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.tokenizer import TokenizerData
 from rsmem.models.compiled import CompileSetting
+from rsmem.models.lfm2 import Lfm2Model
 from rsmem.models.mamba import MambaConfig, MambaLayer, MambaModel, MambaWeights
 from rsmem.models.mamba2 import Mamba2Config, Mamba2Layer, Mamba2Model, Mamba2Weights
 
-SUPPORTED_ARCHS = ("mamba", "mamba2")
+SUPPORTED_ARCHS = ("mamba", "mamba2", "lfm2")
 T = gguf.MODEL_TENSOR
 
 
@@ -62,12 +63,16 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def build_model(
     ckpt: Checkpoint, dtype: torch.dtype = torch.float32, compile: CompileSetting = None
-) -> MambaModel | Mamba2Model:
+) -> MambaModel | Mamba2Model | Lfm2Model:
     """Make the model of ``ckpt.arch`` from its tensors (``compile``: see ``set_compile`` of the models)."""
     if ckpt.arch == "mamba":
         return MambaModel(ckpt.config, _mamba_weights(ckpt), dtype=dtype, compile=compile)  # type: ignore[arg-type]
     if ckpt.arch == "mamba2":
         return Mamba2Model(ckpt.config, _mamba2_weights(ckpt), dtype=dtype, compile=compile)  # type: ignore[arg-type]
+    from rsmem.loaders.hybrid import HYBRID_ARCHS, build_hybrid  # it imports this module's Checkpoint
+
+    if ckpt.arch in HYBRID_ARCHS:
+        return build_hybrid(ckpt)
     raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -11,7 +12,9 @@ import torch
 
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.checkpoint import SUPPORTED_ARCHS, Checkpoint, tensor_name
+from rsmem.loaders.hybrid import HYBRID_ARCHS, config_from_gguf
 from rsmem.loaders.tokenizer import tokenizer_data_from_gguf
+from rsmem.models.lfm2 import Lfm2Config
 from rsmem.models.mamba import MambaConfig
 from rsmem.models.mamba2 import Mamba2Config
 
@@ -48,7 +51,12 @@ def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     emb = tensors.get(tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD))
     if emb is None:
         raise ModelFormatError(f"{path}: missing tensor 'token_embd.weight'")
-    config = _config(reader, str(arch), emb.shape[0], path)
+    # Checkpoint.config names the Mamba configs (convert.py reads their fields); a hybrid's rides along
+    config: Any = (
+        _hybrid_config(reader, str(arch), emb.shape[0], path)
+        if arch in HYBRID_ARCHS
+        else _config(reader, str(arch), emb.shape[0], path)
+    )
     return Checkpoint(
         arch=str(arch),
         config=config,
@@ -93,6 +101,17 @@ def _config(reader: gguf.GGUFReader, arch: str, n_vocab: int, path: Path) -> Mam
         )
     except ValueError as exc:
         raise ModelFormatError(f"{path}: inconsistent hyperparameters ({exc})") from exc
+
+
+def _hybrid_config(reader: gguf.GGUFReader, arch: str, n_vocab: int, path: Path) -> Lfm2Config:
+    def optional(k: str) -> object | None:
+        field = reader.fields.get(f"{arch}.{k}")
+        return None if field is None else field.contents()
+
+    try:
+        return config_from_gguf(arch, lambda k: _value(reader, f"{arch}.{k}", path), n_vocab, optional)
+    except ModelFormatError as exc:
+        raise ModelFormatError(f"{path}: {exc}") from exc
 
 
 def _dequantize(t: gguf.ReaderTensor, path: Path) -> torch.Tensor:

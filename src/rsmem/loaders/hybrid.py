@@ -1,0 +1,120 @@
+"""Hybrid architectures in llama.cpp's form: their GGUF hyperparameters and their weights by tensor name.
+
+``config_from_gguf(arch, key)`` reads ``{arch}.*`` metadata through ``key`` (which raises ModelFormatError
+for a missing key); ``build_hybrid(ckpt)`` makes the model from a :class:`Checkpoint`'s tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import gguf
+
+from rsmem.errors import ModelFormatError
+from rsmem.models.lfm2 import Attention, Lfm2Config, Lfm2Layer, Lfm2Model, Lfm2Weights
+
+if TYPE_CHECKING:
+    from rsmem.loaders.checkpoint import Checkpoint
+
+HYBRID_ARCHS = ("lfm2",)
+T = gguf.MODEL_TENSOR
+
+Key = Callable[[str], object]  # "{arch}.<key>" metadata value; raises ModelFormatError when missing
+
+
+def _name(kind: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".weight") -> str:
+    base = gguf.TENSOR_NAMES[kind]
+    return (base.format(bid=bid) if bid is not None else base) + suffix
+
+
+def _per_layer(value: object, n_layer: int, what: str) -> tuple[int, ...]:
+    """A per-layer metadata value: an array, or one number for every layer."""
+    if isinstance(value, list):
+        if len(value) != n_layer:
+            raise ModelFormatError(f"{what} has {len(value)} entries for {n_layer} layers")
+        return tuple(int(v) for v in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (int(value),) * n_layer
+    raise ModelFormatError(f"{what} is {value!r}, not a number or an array")
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelFormatError(f"{what} is {value!r}, not a number")
+    return int(value)
+
+
+def config_from_gguf(
+    arch: str, key: Key, n_vocab: int, optional: Callable[[str], object | None]
+) -> Lfm2Config:
+    n_layer = _int(key("block_count"), "block_count")
+    if arch == "lfm2":
+        if optional("attention.sliding_window"):
+            raise ModelFormatError("LFM2 with a sliding window (attention.sliding_window) is not supported")
+        try:
+            return Lfm2Config(
+                d_model=_int(key("embedding_length"), "embedding_length"),
+                n_layer=n_layer,
+                n_vocab=n_vocab,
+                d_ff=_int(key("feed_forward_length"), "feed_forward_length"),
+                n_head=_int(key("attention.head_count"), "attention.head_count"),
+                n_head_kv=_per_layer(key("attention.head_count_kv"), n_layer, "attention.head_count_kv"),
+                l_cache=_int(key("shortconv.l_cache"), "shortconv.l_cache"),
+                rope_base=float(optional("rope.freq_base") or 10000.0),  # type: ignore[arg-type]
+                eps=float(key("attention.layer_norm_rms_epsilon")),  # type: ignore[arg-type]
+                n_ctx_train=_int(optional("context_length") or 128_000, "context_length"),
+            )
+        except ValueError as exc:
+            raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
+    raise ModelFormatError(f"unsupported hybrid architecture {arch!r}")
+
+
+def build_hybrid(ckpt: Checkpoint) -> Lfm2Model:
+    if ckpt.arch == "lfm2":
+        return _lfm2(ckpt)
+    raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
+
+
+def _lfm2(ckpt: Checkpoint) -> Lfm2Model:
+    cfg = ckpt.config
+    assert isinstance(cfg, Lfm2Config)
+    d, f, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
+    layers = []
+    for b in range(cfg.n_layer):
+        layer = Lfm2Layer(
+            attn_norm=ckpt.get(_name(T.ATTN_NORM, b), (d,)),
+            ffn_norm=ckpt.get(_name(T.FFN_NORM, b), (d,)),
+            ffn_gate=ckpt.get(_name(T.FFN_GATE, b), (f, d)),
+            ffn_up=ckpt.get(_name(T.FFN_UP, b), (f, d)),
+            ffn_down=ckpt.get(_name(T.FFN_DOWN, b), (d, f)),
+        )
+        n_kv = cfg.n_head_kv[b]
+        if n_kv:
+            layer.attention = Attention(
+                wq=ckpt.get(_name(T.ATTN_Q, b), (cfg.n_head * hd, d)),
+                wk=ckpt.get(_name(T.ATTN_K, b), (n_kv * hd, d)),
+                wv=ckpt.get(_name(T.ATTN_V, b), (n_kv * hd, d)),
+                wo=ckpt.get(_name(T.ATTN_OUT, b), (d, cfg.n_head * hd)),
+                n_head=cfg.n_head,
+                n_head_kv=n_kv,
+                head_dim=hd,
+                q_norm=ckpt.get(_name(T.ATTN_Q_NORM, b), (hd,)),
+                k_norm=ckpt.get(_name(T.ATTN_K_NORM, b), (hd,)),
+                rope_base=cfg.rope_base,
+                n_rot=hd,
+            )
+        else:
+            layer.conv = ckpt.get(_name(T.SHORTCONV_CONV, b), (d, cfg.l_cache))
+            layer.conv_in = ckpt.get(_name(T.SHORTCONV_INPROJ, b), (3 * d, d))
+            layer.conv_out = ckpt.get(_name(T.SHORTCONV_OUTPROJ, b), (d, d))
+        layers.append(layer)
+    emb = ckpt.get(_name(T.TOKEN_EMBD), (cfg.n_vocab, d))
+    head = _name(T.OUTPUT)
+    weights = Lfm2Weights(
+        embedding=emb,
+        layers=layers,
+        norm_f=ckpt.get(_name(T.TOKEN_EMBD_NORM), (d,)),  # LFM2's output norm has this name in GGUF
+        lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
+    )
+    return Lfm2Model(cfg, weights)
