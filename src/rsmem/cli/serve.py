@@ -48,6 +48,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="how checkpoints are stored: exact (the state's dtype), bf16 or int8 (default exact)",
     )
     serve.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="also keep the prefix cache's checkpoints in DIR, so they outlive a restart (read lazily)",
+    )
+    serve.add_argument(
+        "--cache-disk",
+        type=int,
+        default=4096,
+        metavar="MIB",
+        help="MiB of checkpoint files in --cache-dir (default 4096); past it the least valuable go",
+    )
+    serve.add_argument(
         "--cors-origin",
         action="append",
         default=[],

@@ -56,6 +56,8 @@ class ServeOptions:
     cache_ram: int = 1024  # MiB of checkpoints in the prefix cache (0: none)
     checkpoint_interval: int = 256  # also checkpoint every this many prompt tokens (0: off)
     checkpoint_codec: str = "exact"
+    cache_dir: Path | None = None  # keep the prefix cache's checkpoints there too, across restarts
+    cache_disk: int = 4096  # MiB of checkpoint files in cache_dir
     model_path: Path | None = None  # the model file (names a request may use, chat template); None: embedded
 
     @classmethod
@@ -71,8 +73,9 @@ class ServeOptions:
         if getattr(args, "model", None):
             values["model_path"] = Path(args.model)  # type: ignore[attr-defined]
         values.update(overrides)
-        if values.get("slot_save_path") is not None:
-            values["slot_save_path"] = Path(str(values["slot_save_path"]))
+        for name in ("slot_save_path", "cache_dir"):
+            if values.get(name) is not None:
+                values[name] = Path(str(values[name]))
         return cls(**values)  # type: ignore[arg-type]
 
     def check(self) -> None:
@@ -84,6 +87,12 @@ class ServeOptions:
             raise RsmemError(f"--cache-ram {self.cache_ram}: must be >= 0 (MiB; 0 turns the cache off)")
         if self.checkpoint_interval < 0:
             raise RsmemError(f"--checkpoint-interval {self.checkpoint_interval}: must be >= 0 (0: off)")
+        if self.cache_disk < 0:
+            raise RsmemError(f"--cache-disk {self.cache_disk}: must be >= 0 (MiB)")
+        if self.cache_dir is not None and (self.no_prompt_cache or self.cache_ram == 0):
+            raise RsmemError(
+                "--cache-dir keeps the prefix cache: it needs --cache-ram > 0 and no --no-prompt-cache"
+            )
         if self.checkpoint_codec not in ("exact", "bf16", "int8"):
             raise RsmemError(f"--checkpoint-codec {self.checkpoint_codec!r}: use exact, bf16 or int8")
         if self.shutdown_timeout < 0:
@@ -115,6 +124,12 @@ def build_app(llm: LLM, options: ServeOptions) -> ServerApp:
             slot_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RsmemError(f"--slot-save-path {slot_dir}: {exc.strerror}") from exc
+    cache_dir = options.cache_dir
+    if cache_dir is not None:
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RsmemError(f"--cache-dir {cache_dir}: {exc.strerror}") from exc
     engine = Engine(
         llm.context,
         tok,
@@ -124,6 +139,8 @@ def build_app(llm: LLM, options: ServeOptions) -> ServerApp:
         cache_bytes=0 if options.no_prompt_cache else options.cache_ram << 20,
         checkpoint_interval=options.checkpoint_interval,
         checkpoint_codec=options.checkpoint_codec,
+        cache_dir=None if options.no_prompt_cache else cache_dir,
+        cache_disk_bytes=options.cache_disk << 20,
     )
     settings = ServerSettings(
         model_name=options.alias or path.stem,
