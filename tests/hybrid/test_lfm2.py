@@ -1,8 +1,5 @@
-"""LFM2 on the hybrid memory against llama.cpp's own outputs (tests/fixtures/llamacpp/lfm2, see
-../shared/fixtures/README.md): logits of the prompt and of the continuation, token by token and with two
-sequences in one batch (KV unified or one stream per sequence), and the sequence state llama.cpp wrote:
-rsmem writes the same bytes (values up to float rounding), loads llama.cpp's blob into another sequence,
-writes it back bit for bit and continues with llama.cpp's continuation logits."""
+"""LFM2 from llama.cpp's GGUF (tests/fixtures/llamacpp/lfm2): its layers and memory, and corrupt hybrid
+states refused with the memory untouched. Parity with llama.cpp: test_hybrid_parity.py."""
 
 from __future__ import annotations
 
@@ -52,99 +49,6 @@ def test_loads_as_a_hybrid(model) -> None:
     assert [model.is_recurrent_layer(il) for il in range(4)] == [True, False, True, False]
     assert model.n_embd_r == 2 * 64 and model.n_embd_s == 0
     assert isinstance(_ctx(model).memory, HybridMemory)
-
-
-def test_prompt_and_continuation_match_llamacpp(model) -> None:
-    ctx = _ctx(model)
-    ctx.decode(Batch(PROMPT, logits=[True] * len(PROMPT)))
-    _close(ctx.logits, _npy("logits-prompt-f32.npy"))
-    ctx.decode(Batch(CONT, logits=[True] * len(CONT)))
-    _close(ctx.logits, _npy("logits-continuation-f32.npy"))
-
-
-def test_token_by_token_matches_the_whole_prompt(model) -> None:
-    ctx = _ctx(model)
-    rows = []
-    for t in PROMPT + CONT:
-        ctx.decode(Batch([t]))
-        rows.append(ctx.logits[0].clone())
-    _close(torch.stack(rows[: len(PROMPT)]), _npy("logits-prompt-f32.npy"))
-    _close(torch.stack(rows[len(PROMPT) :]), _npy("logits-continuation-f32.npy"))
-
-
-@pytest.mark.parametrize("unified", [False, True])
-def test_two_sequences_in_one_batch(model, unified: bool) -> None:
-    prompt, cont = _npy("logits-prompt-f32.npy"), _npy("logits-continuation-f32.npy")
-    ctx = _ctx(model, n_seq_max=3, n_ctx=768, kv_unified=unified)
-    ctx.decode(Batch.from_sequences({0: PROMPT, 2: PROMPT[:7]}, all_logits=True))
-    _close(ctx.logits[:12], prompt)
-    _close(ctx.logits[12:], prompt[:7])
-    ctx.decode(Batch.from_sequences({2: PROMPT[7:], 0: CONT}, all_logits=True))
-    _close(ctx.logits[:5], prompt[7:])
-    _close(ctx.logits[5:], cont)
-    ctx.memory.check_invariants()
-
-
-def _data_regions() -> list[tuple[int, int]]:
-    """(offset, bytes) of the float data in llama.cpp's blob, from the fixture's layout."""
-    layout = FX["state_blob"]["layout"]
-    stream = layout["attention"]["streams"][0]
-    entries = stream["k"] + stream["v"] + layout["recurrent"]["r"] + layout["recurrent"]["s"]
-    return [(e["offset"], e["bytes"]) for e in entries]
-
-
-def test_state_blob_is_llamacpps_layout(model) -> None:
-    """Every header, count, position and seq id byte equal; K, V and conv values equal up to rounding."""
-    ctx = _ctx(model)
-    ctx.decode(Batch(PROMPT))
-    ours = np.frombuffer(hybrid_state.seq_blob(ctx.memory, 0), dtype=np.uint8)
-    theirs = np.frombuffer((FIXTURES / "state-seq0-f32.bin").read_bytes(), dtype=np.uint8)
-    assert ours.size == theirs.size == FX["state_blob"]["part_sizes"]["total"]
-    meta = np.ones(ours.size, dtype=bool)
-    for off, n in _data_regions():
-        meta[off : off + n] = False
-        if n:
-            a, b = ours[off : off + n].view(np.float32), theirs[off : off + n].view(np.float32)
-            assert np.abs(a - b).max() < ATOL
-    assert (ours[meta] == theirs[meta]).all()
-    tokens = struct.pack(f"<III{len(PROMPT)}i", 0x67677371, 3, len(PROMPT), *PROMPT)
-    ggsq = hybrid_state.seq_file_bytes(ctx.memory, 0, PROMPT)
-    assert ggsq[: len(tokens)] == tokens and len(ggsq) == len(tokens) + theirs.size - 8
-
-
-@pytest.mark.parametrize("dest", [0, 1])
-def test_llamacpp_blob_restores_and_continues(model, dest: int) -> None:
-    blob = (FIXTURES / "state-seq0-f32.bin").read_bytes()
-    ctx = _ctx(model)
-    assert hybrid_state.load_seq_blob(ctx.memory, blob, dest) == len(blob)
-    ctx.memory.check_invariants()
-    assert ctx.memory.seq_pos_max(dest) == len(PROMPT) - 1
-    again = _ctx(model)  # written back and read again as sequence 0: bit for bit llama.cpp's blob
-    hybrid_state.load_seq_blob(again.memory, hybrid_state.seq_blob(ctx.memory, dest), 0)
-    assert hybrid_state.seq_blob(again.memory, 0) == blob
-    ctx.decode(Batch(CONT, seq_ids=[[dest]] * len(CONT), logits=[True] * len(CONT)))
-    _close(ctx.logits, _npy("logits-continuation-f32.npy"))
-
-
-def test_sequence_file_round_trip_into_another_sequence(model) -> None:
-    ctx = _ctx(model)
-    ctx.decode(Batch(PROMPT))
-    data = hybrid_state.seq_file_bytes(ctx.memory, 0, PROMPT)
-    other = _ctx(model)
-    assert hybrid_state.load_seq_file_bytes(other.memory, data, 1, n_vocab=model.n_vocab) == PROMPT
-    other.decode(Batch(CONT, seq_ids=[[1]] * 3, logits=[True] * 3))
-    _close(other.logits, _npy("logits-continuation-f32.npy"))
-
-
-def test_session_file_round_trip(model) -> None:
-    ctx = _ctx(model, n_seq_max=2)
-    ctx.decode(Batch.from_sequences({0: PROMPT, 1: PROMPT[:5]}))
-    data = hybrid_state.session_file_bytes(ctx.memory, "lfm2", PROMPT)
-    other = _ctx(model, n_seq_max=2)
-    assert hybrid_state.load_session_file_bytes(other.memory, data, "lfm2") == PROMPT
-    assert other.memory.state_write(-1) == ctx.memory.state_write(-1)
-    other.decode(Batch(CONT, logits=[True] * 3))
-    _close(other.logits, _npy("logits-continuation-f32.npy"))
 
 
 def test_corrupt_states_are_refused_with_the_memory_untouched(model) -> None:

@@ -17,8 +17,9 @@ from rsmem.models.compiled import CompileSetting
 from rsmem.models.lfm2 import Lfm2Model
 from rsmem.models.mamba import MambaConfig, MambaLayer, MambaModel, MambaWeights
 from rsmem.models.mamba2 import Mamba2Config, Mamba2Layer, Mamba2Model, Mamba2Weights
+from rsmem.models.nemotron_h import NemotronHModel
 
-SUPPORTED_ARCHS = ("mamba", "mamba2", "lfm2")
+SUPPORTED_ARCHS = ("mamba", "mamba2", "lfm2", "nemotron_h")
 T = gguf.MODEL_TENSOR
 
 
@@ -63,7 +64,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def build_model(
     ckpt: Checkpoint, dtype: torch.dtype = torch.float32, compile: CompileSetting = None
-) -> MambaModel | Mamba2Model | Lfm2Model:
+) -> MambaModel | Mamba2Model | Lfm2Model | NemotronHModel:
     """Make the model of ``ckpt.arch`` from its tensors (``compile``: see ``set_compile`` of the models)."""
     if ckpt.arch == "mamba":
         return MambaModel(ckpt.config, _mamba_weights(ckpt), dtype=dtype, compile=compile)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from rsmem.loaders.tokenizer import tokenizer_data_from_gguf
 from rsmem.models.lfm2 import Lfm2Config
 from rsmem.models.mamba import MambaConfig
 from rsmem.models.mamba2 import Mamba2Config
+from rsmem.models.nemotron_h import NemotronHConfig
 
 SUPPORTED_TYPES = {
     gguf.GGMLQuantizationType.F32,
@@ -103,7 +104,9 @@ def _config(reader: gguf.GGUFReader, arch: str, n_vocab: int, path: Path) -> Mam
         raise ModelFormatError(f"{path}: inconsistent hyperparameters ({exc})") from exc
 
 
-def _hybrid_config(reader: gguf.GGUFReader, arch: str, n_vocab: int, path: Path) -> Lfm2Config:
+def _hybrid_config(
+    reader: gguf.GGUFReader, arch: str, n_vocab: int, path: Path
+) -> Lfm2Config | NemotronHConfig:
     def optional(k: str) -> object | None:
         field = reader.fields.get(f"{arch}.{k}")
         return None if field is None else field.contents()

@@ -13,11 +13,21 @@ import gguf
 
 from rsmem.errors import ModelFormatError
 from rsmem.models.lfm2 import Attention, Lfm2Config, Lfm2Layer, Lfm2Model, Lfm2Weights
+from rsmem.models.nemotron_h import (
+    ATTENTION,
+    MAMBA,
+    MLP,
+    Mamba2Mixer,
+    NemotronHConfig,
+    NemotronHLayer,
+    NemotronHModel,
+    NemotronHWeights,
+)
 
 if TYPE_CHECKING:
     from rsmem.loaders.checkpoint import Checkpoint
 
-HYBRID_ARCHS = ("lfm2",)
+HYBRID_ARCHS = ("lfm2", "nemotron_h")
 T = gguf.MODEL_TENSOR
 
 Key = Callable[[str], object]  # "{arch}.<key>" metadata value; raises ModelFormatError when missing
@@ -47,8 +57,10 @@ def _int(value: object, what: str) -> int:
 
 def config_from_gguf(
     arch: str, key: Key, n_vocab: int, optional: Callable[[str], object | None]
-) -> Lfm2Config:
+) -> Lfm2Config | NemotronHConfig:
     n_layer = _int(key("block_count"), "block_count")
+    if arch == "nemotron_h":
+        return _nemotron_h_config(key, n_vocab, optional, n_layer)
     if arch == "lfm2":
         if optional("attention.sliding_window"):
             raise ModelFormatError("LFM2 with a sliding window (attention.sliding_window) is not supported")
@@ -70,9 +82,44 @@ def config_from_gguf(
     raise ModelFormatError(f"unsupported hybrid architecture {arch!r}")
 
 
-def build_hybrid(ckpt: Checkpoint) -> Lfm2Model:
+def _nemotron_h_config(
+    key: Key, n_vocab: int, optional: Callable[[str], object | None], n_layer: int
+) -> NemotronHConfig:
+    """llama.cpp's rule: a layer is Mamba-2 when it has neither KV heads nor an FFN, attention when it has
+    KV heads, an MLP otherwise."""
+    if optional("expert_count"):
+        raise ModelFormatError("Nemotron-H with experts (MoE) is not supported")
+    n_head_kv = _per_layer(key("attention.head_count_kv"), n_layer, "attention.head_count_kv")
+    d_ff = _per_layer(key("feed_forward_length"), n_layer, "feed_forward_length")
+    kinds = "".join(ATTENTION if kv else MLP if ff else MAMBA for kv, ff in zip(n_head_kv, d_ff, strict=True))
+    d_model = _int(key("embedding_length"), "embedding_length")
+    n_head = _int(key("attention.head_count"), "attention.head_count")
+    eps = optional("attention.layer_norm_rms_epsilon") or key("attention.layer_norm_epsilon")
+    try:
+        return NemotronHConfig(
+            d_model=d_model,
+            n_vocab=n_vocab,
+            kinds=kinds,
+            d_inner=_int(key("ssm.inner_size"), "ssm.inner_size"),
+            d_state=_int(key("ssm.state_size"), "ssm.state_size"),
+            d_conv=_int(key("ssm.conv_kernel"), "ssm.conv_kernel"),
+            n_ssm_head=_int(key("ssm.time_step_rank"), "ssm.time_step_rank"),
+            n_group=_int(key("ssm.group_count"), "ssm.group_count"),
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim=_int(optional("attention.key_length") or d_model // n_head, "attention.key_length"),
+            d_ff=d_ff,
+            eps=float(eps),  # type: ignore[arg-type]
+        )
+    except ValueError as exc:
+        raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
+
+
+def build_hybrid(ckpt: Checkpoint) -> Lfm2Model | NemotronHModel:
     if ckpt.arch == "lfm2":
         return _lfm2(ckpt)
+    if ckpt.arch == "nemotron_h":
+        return _nemotron_h(ckpt)
     raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
 
 
@@ -118,3 +165,51 @@ def _lfm2(ckpt: Checkpoint) -> Lfm2Model:
         lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
     )
     return Lfm2Model(cfg, weights)
+
+
+def _nemotron_h(ckpt: Checkpoint) -> NemotronHModel:
+    cfg = ckpt.config
+    assert isinstance(cfg, NemotronHConfig)
+    d, di, nh, hd = cfg.d_model, cfg.d_inner, cfg.n_ssm_head, cfg.head_dim
+    layers = []
+    for b, kind in enumerate(cfg.kinds):
+        layer = NemotronHLayer(norm=ckpt.get(_name(T.ATTN_NORM, b), (d,)))
+        if kind == MAMBA:
+            bias = _name(T.SSM_CONV1D, b, ".bias")
+            layer.mixer = Mamba2Mixer(
+                in_proj=ckpt.get(_name(T.SSM_IN, b), (di + cfg.conv_dim + nh, d)),
+                conv_weight=ckpt.get(_name(T.SSM_CONV1D, b), (cfg.conv_dim, cfg.d_conv)),
+                conv_bias=ckpt.get(bias, (cfg.conv_dim,)) if bias in ckpt.tensors else None,
+                dt_bias=ckpt.get(_name(T.SSM_DT, b, ".bias"), (nh,)),
+                A=ckpt.get(_name(T.SSM_A, b, ""), (nh,)),
+                D=ckpt.get(_name(T.SSM_D, b, ""), (nh,)),
+                ssm_norm=ckpt.get(_name(T.SSM_NORM, b), (di,)),
+                out_proj=ckpt.get(_name(T.SSM_OUT, b), (d, di)),
+            )
+        elif kind == ATTENTION:
+            n_kv = cfg.n_head_kv[b]
+            for extra in (_name(T.ATTN_Q, b, ".bias"), _name(T.ATTN_OUT, b, ".bias")):
+                if extra in ckpt.tensors:
+                    raise ModelFormatError(f"{ckpt.source}: attention biases ({extra}) are not supported")
+            layer.attention = Attention(
+                wq=ckpt.get(_name(T.ATTN_Q, b), (cfg.n_head * hd, d)),
+                wk=ckpt.get(_name(T.ATTN_K, b), (n_kv * hd, d)),
+                wv=ckpt.get(_name(T.ATTN_V, b), (n_kv * hd, d)),
+                wo=ckpt.get(_name(T.ATTN_OUT, b), (d, cfg.n_head * hd)),
+                n_head=cfg.n_head,
+                n_head_kv=n_kv,
+                head_dim=hd,
+            )
+        else:
+            layer.ffn_up = ckpt.get(_name(T.FFN_UP, b), (cfg.d_ff[b], d))
+            layer.ffn_down = ckpt.get(_name(T.FFN_DOWN, b), (d, cfg.d_ff[b]))
+        layers.append(layer)
+    emb = ckpt.get(_name(T.TOKEN_EMBD), (cfg.n_vocab, d))
+    head = _name(T.OUTPUT)
+    weights = NemotronHWeights(
+        embedding=emb,
+        layers=layers,
+        norm_f=ckpt.get(_name(T.OUTPUT_NORM), (d,)),
+        lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
+    )
+    return NemotronHModel(cfg, weights)
