@@ -42,7 +42,7 @@ from rsmem.engine.request import (
     Session,
 )
 from rsmem.engine.sampling import Sampler, SamplingParams
-from rsmem.engine.scheduler import Planned, build_batch, plan_replay, plan_step
+from rsmem.engine.scheduler import Planned, StepCost, build_batch, plan_replay, plan_step
 from rsmem.engine.snapshot import active_cells, take_snapshot
 from rsmem.engine.status import EngineSnapshot, EngineStats, Health
 from rsmem.engine.tokenizer import TextTokenizer
@@ -69,11 +69,15 @@ class Engine:
         checkpoint_codec: str = "exact",
         cache_dir: str | os.PathLike[str] | None = None,
         cache_disk_bytes: int = DEFAULT_DISK_BYTES,
+        prefill_cap: int | None = None,
     ) -> None:
         """``cache_bytes`` > 0 keeps a prefix cache of checkpoints of that many bytes (see
         ``engine/checkpoints.py``), also every ``checkpoint_interval`` prompt tokens, in
         ``checkpoint_codec``; with ``cache_dir`` the checkpoints are kept there too (up to
-        ``cache_disk_bytes``), and found again by an engine started later (``engine/cache_dir.py``)."""
+        ``cache_disk_bytes``), and found again by an engine started later (``engine/cache_dir.py``).
+        ``prefill_cap``: the most prompt tokens one prompt gets in a step while other requests run (see
+        ``scheduler.plan_step``): None learns it from the steps' costs, 0 lets a prompt take the whole
+        budget."""
         self.ctx = context
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens or context.n_batch
@@ -83,6 +87,10 @@ class Engine:
             raise ValueError(
                 f"n_seq_max {context.n_seq_max} exceeds the per-step token budget {self.max_batch_tokens}"
             )
+        if prefill_cap is not None and prefill_cap < 0:
+            raise ValueError(f"prefill_cap must be >= 0 or None, got {prefill_cap}")
+        self.prefill_cap = prefill_cap
+        self.step_cost = StepCost()
         self.limits = RequestLimits(context.n_vocab, context.n_seq_max, max_prompt_tokens, max_tokens_limit)
         memory = context.memory
         self.pool = SequencePool(
@@ -228,7 +236,8 @@ class Engine:
         for ``KeyboardInterrupt`` and the like, after failing the interrupted batch's requests.
         """
         self._admit()
-        plan = plan_step(self.running, self.max_batch_tokens)
+        cap = self.step_cost.prefill_cap() if self.prefill_cap is None else self.prefill_cap
+        plan = plan_step(self.running, self.max_batch_tokens, cap)
         touched: dict[str, Request] = {}
         if plan:
             batch = build_batch(plan)
@@ -240,7 +249,9 @@ class Engine:
                 if not isinstance(exc, Exception):
                     raise
             else:
-                self.stats.decode_seconds += time.perf_counter() - t0
+                elapsed = time.perf_counter() - t0
+                self.stats.decode_seconds += elapsed
+                self.step_cost.observe(sum(p.n_tokens for p in plan), elapsed)
                 self.stats.steps += 1
                 self.health.step_succeeded()
                 self._commit(plan)

@@ -23,10 +23,16 @@ class Planned:
     output: bool  # this part's last token produces a logits row
 
 
-def plan_step(running: list[Request], budget: int) -> list[Planned]:
+def plan_step(running: list[Request], budget: int, prefill_cap: int | None = None) -> list[Planned]:
     """What the next batch holds, in batch order: decode tokens first, then replays and prompt chunks
     from what is left of the budget. A suspect request (see ``_fail_batch``) runs alone. Changes
-    nothing."""
+    nothing.
+
+    Prompts share the budget fairly: the oldest prompt being prefilled is served first (it always makes
+    progress), then the others shortest-remaining first, so a short prompt arriving behind a long one
+    is in the next step. While anything else runs (decodes, other prompts) a prompt gets at most
+    ``prefill_cap`` tokens a step, which keeps steps short for the others; alone it gets the budget.
+    """
     suspect = next((r for r in running if r.suspect), None)
     if suspect is not None:
         running = [suspect]
@@ -38,29 +44,68 @@ def plan_step(running: list[Request], budget: int) -> list[Planned]:
         if not c.finished and not c.replay
     ]
     budget -= len(plan)
+    prompts: list[Request] = []
     for req in running:
         if budget <= 0:
             break
-        if req.phase is Phase.DECODE:
-            for c in req.completions:
-                if c.replay and not c.finished and budget > 0:
-                    n = min(budget, len(c.replay))
-                    budget -= n
-                    plan.append(Planned(req, c, n, False))
-            continue
-        c0 = req.completions[0]
-        if c0.replay:
-            n = min(budget, len(c0.replay))
+        replays = req.completions if req.phase is Phase.DECODE else req.completions[:1]
+        for c in replays:
+            if c.replay and not c.finished and budget > 0:
+                n = min(budget, len(c.replay))
+                budget -= n
+                plan.append(Planned(req, c, n, False))
+        if req.phase is Phase.PREFILL and not req.completions[0].replay:
+            prompts.append(req)
+    if prompts and budget > 0:
+        contended = len(plan) > 0 or len(prompts) > 1
+        cap = prefill_cap if contended and prefill_cap else budget
+        oldest, rest = prompts[0], sorted(prompts[1:], key=lambda r: len(r.prompt_tokens) - r.n_prefilled)
+        for req in [oldest, *rest]:
+            if budget <= 0:
+                break
+            n = _chunk(req, min(budget, cap))
             budget -= n
-            plan.append(Planned(req, c0, n, False))
-            continue
-        n = min(budget, len(req.prompt_tokens) - req.n_prefilled)
-        stop = next((p for p in req.checkpoint_at if p > req.n_prefilled), None)
-        if stop is not None:  # a chunk ends where a checkpoint is to be taken
-            n = min(n, stop - req.n_prefilled)
-        budget -= n
-        plan.append(Planned(req, None, n, req.n_prefilled + n == len(req.prompt_tokens)))
+            plan.append(Planned(req, None, n, req.n_prefilled + n == len(req.prompt_tokens)))
     return plan
+
+
+def _chunk(req: Request, most: int) -> int:
+    """The next chunk of ``req``'s prompt: at most ``most`` tokens, ending where a checkpoint is due."""
+    n = min(most, len(req.prompt_tokens) - req.n_prefilled)
+    stop = next((p for p in req.checkpoint_at if p > req.n_prefilled), None)
+    if stop is not None:  # a chunk ends where a checkpoint is to be taken
+        n = min(n, stop - req.n_prefilled)
+    return n
+
+
+class StepCost:
+    """What a step costs, learnt from the steps run: ``fixed`` seconds plus ``per_token`` a token.
+
+    ``prefill_cap()`` is the chunk a prompt gets while others run: the tokens whose cost matches a
+    step's fixed cost, so a step carrying it costs at most about twice a step without it (a short
+    request's first token waits at most that), within ``[floor, ceiling]``.
+    """
+
+    def __init__(self, *, floor: int = 32, ceiling: int = 512, alpha: float = 0.2) -> None:
+        self.floor, self.ceiling, self.alpha = floor, ceiling, alpha
+        self.fixed: float | None = None  # seconds of a step of a few tokens
+        self.per_token: float | None = None  # seconds a token, from steps of many
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens <= 8:
+            self.fixed = _ewma(self.fixed, seconds, self.alpha)
+        elif self.fixed is not None and n_tokens >= 32:
+            rate = max(seconds - self.fixed, 0.0) / n_tokens
+            self.per_token = _ewma(self.per_token, rate, self.alpha)
+
+    def prefill_cap(self) -> int:
+        if self.fixed is None or not self.per_token:
+            return self.ceiling  # nothing learnt yet: no cap beyond the budget's
+        return max(self.floor, min(self.ceiling, round(self.fixed / self.per_token)))
+
+
+def _ewma(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
 
 
 def build_batch(plan: list[Planned]) -> Batch:
