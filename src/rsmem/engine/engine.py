@@ -220,6 +220,12 @@ class Engine:
         """Requests wait or run, or have finished without a report yet (aborted, interrupted)."""
         return bool(self.waiting or self.running) or len(self.requests) > 0
 
+    def capacity(self) -> tuple[int, int, int]:
+        """(sequences, free sequences, sequences the waiting requests need): a cheap read for admission
+        control, unlike :meth:`snapshot`."""
+        waiting = sum(r.params.n for r in self.waiting if not r.finished)
+        return self.ctx.n_seq_max, self.pool.n_free, waiting
+
     def request_progress(self, request_id: str) -> tuple[int, int] | None:
         """(prompt tokens processed, prompt length) of a live request; None if unknown or finished."""
         req = self.requests.get(request_id)

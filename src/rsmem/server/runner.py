@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -140,8 +140,16 @@ class EngineRunner:
             self._fail_in_flight(exc)
             time.sleep(0.01)  # never spin if the engine keeps raising
             return
-        for out in outputs:
-            self._deliver(out.request_id, out, final=out.finished)
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Report], Report]]] = {}
+        for out in outputs:  # one hand-off to each listening loop a step, not one a report
+            listener = self._listener(out.request_id, final=out.finished)
+            if listener is not None:
+                batches.setdefault(listener[0], []).append((listener[1], out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the listeners' loop is gone: nobody will read these requests
+                self._forget(out for _, out in items)
 
     def _run_commands(self) -> None:
         while True:
@@ -151,8 +159,19 @@ class EngineRunner:
                 return
             command.run()
 
+    def _listener(
+        self, request_id: str, *, final: bool
+    ) -> tuple[asyncio.AbstractEventLoop, asyncio.Queue[Report]] | None:
+        return self._listeners.pop(request_id, None) if final else self._listeners.get(request_id)
+
+    def _forget(self, outs: Iterable[Report]) -> None:
+        for out in outs:
+            if isinstance(out, RequestOutput):
+                self._listeners.pop(out.request_id, None)
+                self.engine.abort(out.request_id)
+
     def _deliver(self, request_id: str, report: Report, *, final: bool) -> None:
-        listener = self._listeners.pop(request_id, None) if final else self._listeners.get(request_id)
+        listener = self._listener(request_id, final=final)
         if listener is None:
             return
         loop, reports = listener
@@ -221,17 +240,17 @@ class EngineRunner:
         loop = asyncio.get_running_loop()
 
         def add() -> None:
-            snap = self.engine.snapshot()
-            queued = snap.waiting_seqs - snap.free_slots
+            n_slots, free, waiting = self.engine.capacity()
+            queued = waiting - free
             needed = params.n * len(prompts)
-            if needed > snap.n_slots + self.max_queue:  # could never be accepted: not "busy"
+            if needed > n_slots + self.max_queue:  # could never be accepted: not "busy"
                 raise InvalidRequestError(
                     "prompt",
                     f"asks for {needed} completions ({len(prompts)} prompts, n = {params.n}): more than "
-                    f"the {snap.n_slots} slots and {self.max_queue} queue places of this server",
+                    f"the {n_slots} slots and {self.max_queue} queue places of this server",
                 )
             if queued + needed > self.max_queue:
-                raise QueueFullError(f"all {snap.n_slots} slots are busy and {max(queued, 0)} requests wait")
+                raise QueueFullError(f"all {n_slots} slots are busy and {max(queued, 0)} requests wait")
             if len(prompts) == 1:  # add_requests would name it "prompt 0" in its errors
                 self.engine.add_request(prompts[0], params, ids[0], slot=slot, boundaries=boundaries)
             else:
@@ -259,6 +278,11 @@ class EngineRunner:
 
         Their listeners get the final ``abort`` reports, so their clients still get an answer."""
         return await self.call(self._abort_all)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Report], Report]]) -> None:
+    for reports, report in items:
+        reports.put_nowait(report)
 
 
 def _settle(future: asyncio.Future[Any], exc: BaseException | None, result: object) -> None:
