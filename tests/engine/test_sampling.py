@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rsmem.engine import Sampler, SamplingParams, make_generator
-from rsmem.engine import sampling as sampling_mod
+from rsmem.engine import truncation as truncation_mod
 from rsmem.engine.sampling import apply_penalties, token_counts
 
 V = 10
@@ -298,10 +298,10 @@ def test_pruned_nucleus_matches_full_sort(monkeypatch: pytest.MonkeyPatch) -> No
     logits = torch.randn(12, 300, generator=g) * torch.linspace(0.5, 8, 12).unsqueeze(1)
     logits[3, :40] = 7.0  # a tie that straddles the partial sort's boundary
     params = [SamplingParams(top_p=p, min_p=m) for p in (0.5, 0.9, 0.99) for m in (0.0, 0.01, 0.2, 0.0)]
-    monkeypatch.setattr(sampling_mod, "PRUNE_WIDTHS", (8, 32))
+    monkeypatch.setattr(truncation_mod, "PRUNE_WIDTHS", (8, 32))
     pruned = SAMPLER.distribution(logits, params)
     pruned_tokens = SAMPLER.sample(logits, params, generators=[make_generator(i) for i in range(12)]).tokens
-    monkeypatch.setattr(sampling_mod, "PRUNE_WIDTHS", ())
+    monkeypatch.setattr(truncation_mod, "PRUNE_WIDTHS", ())
     full = SAMPLER.distribution(logits, params)
     full_tokens = SAMPLER.sample(logits, params, generators=[make_generator(i) for i in range(12)]).tokens
     assert torch.equal(pruned > 0, full > 0)
