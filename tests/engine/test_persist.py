@@ -5,12 +5,14 @@ file is skipped with a warning and never served; every result equals a fresh com
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
 from rsmem import Context
 from rsmem.engine import Engine, SamplingParams
 from rsmem.engine import cache_dir as cache_dir_module
+from rsmem.engine.cache_dir import WRITER
 from rsmem.engine.kept import companion_path
 from rsmem.memory import checkpoint_file as cf
 from rsmem.models import DecayedSumModel, Mamba2Config
@@ -202,6 +204,7 @@ def test_the_cache_dir_serves_a_prompt_after_a_restart_reading_rows_lazily(tmp_p
 def test_a_corrupt_cache_file_is_dropped_with_a_warning_and_never_served(tmp_path, caplog):
     model = make_model("mamba2")
     run(engine_for(model, cache_dir=tmp_path), HISTORY)
+    WRITER.flush()  # the files are written in the background
     (folder,) = tmp_path.iterdir()
     by_key = {}
     for f in folder.iterdir():
@@ -224,6 +227,7 @@ def test_a_corrupt_cache_file_is_dropped_with_a_warning_and_never_served(tmp_pat
 
 def test_cache_files_of_another_model_are_ignored(tmp_path, caplog):
     run(engine_for(make_model("mamba2", seed=3), cache_dir=tmp_path), HISTORY)
+    WRITER.flush()
     other = make_model("mamba2", seed=4)
     (theirs,) = tmp_path.iterdir()
     ours_engine = engine_for(other, cache_dir=tmp_path)
@@ -247,6 +251,7 @@ def test_the_disk_budget_evicts_files(tmp_path):
     engine = engine_for(model, cache_dir=tmp_path / "small", cache_disk_bytes=3 * one_file + 200)
     run(engine, HISTORY)
     disk = engine.checkpoints.disk
+    disk.flush()
     files = list(disk.dir.iterdir())
     assert len(files) == len(disk) <= 3 and disk.stats.evictions > 0
     assert sum(f.stat().st_size for f in files) == disk.nbytes <= disk.tree.budget_bytes
@@ -257,3 +262,24 @@ def _any_ckpt(engine: Engine):
     ckpt = engine.checkpoints.tree.match(seq(2, 3), touch=False)
     assert ckpt is not None
     return ckpt.payload
+
+
+def test_entries_waiting_for_the_writer_are_served_and_evictions_wait_behind_writes(tmp_path):
+    model = make_model("toy")
+    engine = engine_for(model)
+    ckpt = _any_ckpt(engine)
+    cache = engine.checkpoints
+    size = cf.entry_size(cache.layout, 3, ckpt.codec)
+    disk = cache_dir_module.DiskCache(tmp_path, cache.layout, cache.fingerprint, budget_bytes=size)
+    gate = threading.Event()
+    WRITER.submit(gate.wait)  # hold the writer
+    try:
+        assert disk.put([1, 2, 3], ckpt)
+        path = disk.dir / cache_dir_module.entry_name([1, 2, 3])
+        assert not path.exists() and disk.load([1, 2, 3]) is ckpt  # served before its file exists
+        assert disk.put([4, 5, 6], ckpt)  # evicts [1, 2, 3] (one entry fits), whose write still waits
+    finally:
+        gate.set()
+    disk.flush()
+    assert not path.exists() and (disk.dir / cache_dir_module.entry_name([4, 5, 6])).is_file()
+    assert len(disk) == 1 and disk.stats.evictions == 1

@@ -118,6 +118,7 @@ def test_entries_round_trip_and_their_header_alone_names_the_key(case):
     layout = cf.Layout.of(memory)
     n, ckpt = records[0]
     raw = cf.entry_bytes(layout, FINGERPRINT, tokens[:n], ckpt)
+    assert len(raw) == cf.entry_size(layout, n, ckpt.codec)
     header = cf.read_header(io.BytesIO(raw).read)
     assert header.key_tokens == tuple(tokens[:n]) and header.kind == cf.KIND_ENTRY
     ((m, back),) = cf.parse_file(

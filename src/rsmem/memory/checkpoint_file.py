@@ -125,7 +125,10 @@ def model_fingerprint(model: object, layout: Layout) -> bytes:
         t = getattr(model, name, None)
         if isinstance(t, torch.Tensor) and t.numel():
             flat = t.detach().reshape(-1)
-            idx = torch.linspace(0, flat.numel() - 1, min(flat.numel(), 4096)).round().long()
+            k = min(
+                flat.numel(), 4096
+            )  # integer steps: a float linspace rounds past the end of large tensors
+            idx = torch.arange(k, dtype=torch.int64) * (flat.numel() - 1) // max(k - 1, 1)
             h.update(f"{name}{tuple(t.shape)}".encode())
             h.update(flat[idx].to(torch.float32).cpu().numpy().tobytes())
     return h.digest()
@@ -146,6 +149,13 @@ def entry_bytes(layout: Layout, fingerprint: bytes, tokens: Sequence[int], ckpt:
     """One prefix-cache entry: the checkpoint after ``tokens``, with the tokens."""
     head = _header_bytes(KIND_ENTRY, layout, fingerprint, tokens, 1, store_key=True)
     return head + _record_bytes(layout, len(tokens), ckpt, len(tokens))
+
+
+def entry_size(layout: Layout, n_tokens: int, codec: str) -> int:
+    """The bytes :func:`entry_bytes` writes for a key of ``n_tokens`` tokens in ``codec``."""
+    header = 20 + 8 * len(layout.widths) + DIGEST_BYTES + 4 + DIGEST_BYTES + 4 * n_tokens + 8
+    rows = sum(d + s for d, s in (_array_sizes(w, codec, layout.dtype) for w in layout.arrays()))
+    return header + 8 + 12 + rows + 4
 
 
 def _header_bytes(
