@@ -141,3 +141,14 @@ def test_non_finite_rows_are_refused():
     raw = cf.companion_bytes(layout, FINGERPRINT, [7], [(1, ckpt)])
     with pytest.raises(cf.CheckpointFileError, match="NaN"):
         cf.parse_file(raw, kind=cf.KIND_COMPANION, layout=layout, fingerprint=FINGERPRINT, key_tokens=[7])
+
+
+def test_the_fingerprint_samples_large_embeddings_and_tells_models_apart():
+    from types import SimpleNamespace
+
+    layout = cf.Layout.of(RecurrentMemory(StateShape(1, 4, 4), 1))
+    n = 50280 * 768  # a 130M Mamba's embedding: a float32 linspace over it rounded past its end
+    big = SimpleNamespace(arch="mamba", n_vocab=50280, embedding=torch.zeros(1).expand(n))
+    other = SimpleNamespace(arch="mamba", n_vocab=50280, embedding=torch.ones(1).expand(n))
+    assert cf.model_fingerprint(big, layout) != cf.model_fingerprint(other, layout)
+    assert cf.model_fingerprint(SimpleNamespace(inner=big), layout) == cf.model_fingerprint(big, layout)
