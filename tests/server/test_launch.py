@@ -149,6 +149,8 @@ def test_a_busy_port_is_one_error_before_any_banner(shared_llm):
         (ServeOptions(host="192.0.2.1", port=0), "cannot listen on 192.0.2.1:0"),  # not this machine's
         (ServeOptions(port=70000), "--port 70000"),
         (ServeOptions(port=0, log_level="loud"), "--log-level"),
+        (ServeOptions(port=0, prefill_cap=-1), "--prefill-cap -1"),
+        (ServeOptions(port=0, rollback_depth=-2), "--rollback-depth -2"),
     ],
 )
 def test_bad_addresses_and_options_are_one_clear_error(shared_llm, options, message):
@@ -210,3 +212,24 @@ def test_a_socket_bound_before_the_model_loads_is_served():
         thread.join(timeout=30)
     assert codes == [0] and f"127.0.0.1:{port}" in out.getvalue()
     assert "stopped" in out.getvalue().splitlines()[-1]
+
+
+def test_prefill_cap_and_rollback_depth_flags_reach_the_engine_and_the_context():
+    from rsmem.cli import build_parser
+    from rsmem.cli.model import load
+    from rsmem.server import build_app
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--prefill-cap", "48", "--rollback-depth", "3", "--parallel", "2"])
+    options = ServeOptions.from_args(args)
+    assert options.prefill_cap == 48 and options.rollback_depth == 3
+    assert ServeOptions.from_args(parser.parse_args(["serve", "--prefill-cap", "auto"])).prefill_cap is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--prefill-cap", "lots"])
+    llm = load(args, n_seq_max=2)
+    assert llm.context.n_rs_seq == 3
+    served = build_app(llm, options)
+    try:
+        assert served.runner.engine.prefill_cap == 48 and served.runner.engine.pool.rollback_depth == 3
+    finally:
+        served.runner.stop()

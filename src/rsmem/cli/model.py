@@ -46,7 +46,13 @@ def load(args: argparse.Namespace, n_seq_max: int) -> LLM:
     path = model_path(args.model)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     llm = LLM(
-        path, n_seq_max=n_seq_max, n_batch=512, dtype=dtype, n_threads=args.threads, compile=args.compile
+        path,
+        n_seq_max=n_seq_max,
+        n_batch=512,
+        dtype=dtype,
+        n_threads=args.threads,
+        compile=args.compile,
+        n_rs_seq=getattr(args, "rollback_depth", 0),
     )
     if llm.tokenizer is None:
         raise RsmemError(f"{path} has no tokenizer: text generation needs one")

@@ -60,6 +60,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="MiB of checkpoint files in --cache-dir (default 4096); past it the least valuable go",
     )
     serve.add_argument(
+        "--prefill-cap",
+        type=_cap,
+        default=None,
+        metavar="N|auto",
+        help="most prompt tokens one prompt gets in a step while other requests run, so a long prompt "
+        "does not hold up short ones and decodes (default auto: learnt from step costs; 0: no cap)",
+    )
+    serve.add_argument(
+        "--rollback-depth",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep what rolls each sequence back by up to N tokens (llama.cpp's n_rs_seq), so a prompt "
+        "parting from a slot's kept tokens at most N before their end reuses it (default 0: off)",
+    )
+    serve.add_argument(
         "--cors-origin",
         action="append",
         default=[],
@@ -75,6 +91,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     serve.add_argument("--log-level", default="warning")
     serve.set_defaults(func=cmd_serve, check=lambda args: _check(args, serve))
+
+
+def _cap(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of tokens or 'auto'") from None
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -64,6 +64,7 @@ class LLM:
         dtype: torch.dtype = torch.float32,
         n_threads: int | None = None,
         compile: CompileSetting = None,
+        n_rs_seq: int = 0,
     ) -> None:
         if model is None or isinstance(model, str | os.PathLike):
             model, loaded_tokenizer = load_text_model(
@@ -78,7 +79,12 @@ class LLM:
         self.model = model
         self.tokenizer = tokenizer
         self.context = Context(
-            model, n_seq_max=n_seq_max, n_batch=n_batch, n_ubatch=n_ubatch or n_batch, state_dtype=state_dtype
+            model,
+            n_seq_max=n_seq_max,
+            n_batch=n_batch,
+            n_ubatch=n_ubatch or n_batch,
+            state_dtype=state_dtype,
+            n_rs_seq=n_rs_seq,
         )
         self.engine = Engine(self.context, tokenizer)
 

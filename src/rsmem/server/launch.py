@@ -58,6 +58,8 @@ class ServeOptions:
     checkpoint_codec: str = "exact"
     cache_dir: Path | None = None  # keep the prefix cache's checkpoints there too, across restarts
     cache_disk: int = 4096  # MiB of checkpoint files in cache_dir
+    prefill_cap: int | None = None  # prompt tokens a step while others run (None: learnt; 0: no cap)
+    rollback_depth: int = 0  # the LLM's n_rs_seq (the caller builds the LLM): read for the check only
     model_path: Path | None = None  # the model file (names a request may use, chat template); None: embedded
 
     @classmethod
@@ -97,6 +99,10 @@ class ServeOptions:
             raise RsmemError(f"--checkpoint-codec {self.checkpoint_codec!r}: use exact, bf16 or int8")
         if self.shutdown_timeout < 0:
             raise RsmemError(f"--shutdown-timeout {self.shutdown_timeout}: must be >= 0")
+        if self.prefill_cap is not None and self.prefill_cap < 0:
+            raise RsmemError(f"--prefill-cap {self.prefill_cap}: must be >= 0 (0: no cap) or auto")
+        if self.rollback_depth < 0:
+            raise RsmemError(f"--rollback-depth {self.rollback_depth}: must be >= 0 (0: off)")
 
 
 @dataclass(slots=True)
@@ -141,6 +147,7 @@ def build_app(llm: LLM, options: ServeOptions) -> ServerApp:
         checkpoint_codec=options.checkpoint_codec,
         cache_dir=None if options.no_prompt_cache else cache_dir,
         cache_disk_bytes=options.cache_disk << 20,
+        prefill_cap=options.prefill_cap,
     )
     settings = ServerSettings(
         model_name=options.alias or path.stem,
