@@ -55,8 +55,6 @@ class Context:
         self.n_ubatch = min(n_ubatch, n_batch)
         self.memory: RecurrentMemory
         if isinstance(getattr(model, "kv_layers", None), Mapping):  # a hybrid: attention layers in a KV cache
-            if n_rs_seq:
-                raise ValueError("n_rs_seq rollback is not supported for hybrid models yet")
             # HybridMemory offers the memory interface decode and the sequence operations use; state files
             # go through memory.state_write / state_read (see rsmem.memory.hybrid)
             self.memory = HybridMemory.for_model(  # type: ignore[assignment]
@@ -66,6 +64,7 @@ class Context:
                 kv_unified=kv_unified,
                 state_dtype=state_dtype,
                 device=device,
+                n_rs_seq=n_rs_seq,
             )
         else:
             self.memory = RecurrentMemory(

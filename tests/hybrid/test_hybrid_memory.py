@@ -143,6 +143,19 @@ def test_a_full_stream_refuses_the_batch_unchanged(model) -> None:
     assert _mem(ctx).seq_pos_max(0) == 15
 
 
-def test_n_rs_seq_is_refused_for_hybrids(model) -> None:
-    with pytest.raises(ValueError, match="n_rs_seq"):
-        Context(model, n_rs_seq=2)
+def test_rollback_cuts_both_parts_and_refuses_deeper_cuts_unchanged(model) -> None:
+    ctx = Context(model, n_seq_max=2, n_ctx=512, n_rs_seq=4)
+    mem = _mem(ctx)
+    assert mem.n_rs_seq == 4 and mem.rollback is not None
+    ctx.decode(Batch(PROMPT))
+    mem.seq_cp(0, 1)
+    before = mem.state_write(-1)
+    assert mem.seq_rm(1, 7, -1) is False  # 5 positions: deeper than the window
+    assert mem.state_write(-1) == before
+    assert mem.seq_rm(1, 9, -1) is True
+    assert (mem.recurrent.seq_pos_max(1), mem.kv.seq_pos_max(1), mem.seq_pos_max(0)) == (8, 8, 11)
+    got = _continue(ctx, 1, [50, 51])
+    fresh = _ctx(model)
+    fresh.decode(Batch([*PROMPT[:9], 50, 51], logits=[False] * 9 + [True, True]))
+    torch.testing.assert_close(got, fresh.logits, atol=2e-5, rtol=0)
+    mem.check_invariants()

@@ -98,13 +98,10 @@ def _data_regions(fx: dict) -> list[tuple[int, int]]:
     return [(e["offset"], e["bytes"]) for e in entries]
 
 
-def test_state_blob_is_llamacpps_layout(model, arch: str, fx: dict) -> None:
-    """Every header, count, position and seq id byte equal; K, V and conv values equal up to rounding."""
-    PROMPT = fx["prompt"]
-    ctx = _ctx(model)
-    ctx.decode(Batch(PROMPT))
-    ours = np.frombuffer(hybrid_state.seq_blob(ctx.memory, 0), dtype=np.uint8)
-    theirs = np.frombuffer((ROOT / arch / "state-seq0-f32.bin").read_bytes(), dtype=np.uint8)
+def _assert_like_llamacpp(ours_bytes: bytes, theirs_bytes: bytes, fx: dict) -> None:
+    """Every header, count, position and seq id byte equal; K, V and recurrent values up to rounding."""
+    ours = np.frombuffer(ours_bytes, dtype=np.uint8)
+    theirs = np.frombuffer(theirs_bytes, dtype=np.uint8)
     assert ours.size == theirs.size == fx["state_blob"]["part_sizes"]["total"]
     meta = np.ones(ours.size, dtype=bool)
     for off, n in _data_regions(fx):
@@ -113,9 +110,48 @@ def test_state_blob_is_llamacpps_layout(model, arch: str, fx: dict) -> None:
             a, b = ours[off : off + n].view(np.float32), theirs[off : off + n].view(np.float32)
             assert np.abs(a - b).max() < ATOL
     assert (ours[meta] == theirs[meta]).all()
+
+
+def test_state_blob_is_llamacpps_layout(model, arch: str, fx: dict) -> None:
+    PROMPT = fx["prompt"]
+    ctx = _ctx(model)
+    ctx.decode(Batch(PROMPT))
+    theirs = (ROOT / arch / "state-seq0-f32.bin").read_bytes()
+    _assert_like_llamacpp(hybrid_state.seq_blob(ctx.memory, 0), theirs, fx)
     tokens = struct.pack(f"<III{len(PROMPT)}i", 0x67677371, 3, len(PROMPT), *PROMPT)
     ggsq = hybrid_state.seq_file_bytes(ctx.memory, 0, PROMPT)
-    assert ggsq[: len(tokens)] == tokens and len(ggsq) == len(tokens) + theirs.size - 8
+    assert ggsq[: len(tokens)] == tokens and ggsq[len(tokens) :] == hybrid_state.seq_blob(ctx.memory, 0)[8:]
+
+
+def test_rollback_matches_llamacpp(model, arch: str, fx: dict) -> None:
+    """The fixture's n_rs_seq case: prompt as one batch, cut its last 2 positions, decode 2 other tokens."""
+    PROMPT = fx["prompt"]
+    ctx = _ctx(model, n_rs_seq=3)
+    ctx.decode(Batch(PROMPT))
+    assert ctx.memory.seq_rm(0, 10, -1) is True
+    assert ctx.memory.seq_pos_max(0) == 9
+    ctx.decode(Batch([21, 22], logits=[True, True]))
+    _close(ctx.logits, _npy(arch, "rollback-logits.npy"))
+    _assert_like_llamacpp(
+        hybrid_state.seq_blob(ctx.memory, 0), (ROOT / arch / "rollback-state-seq0.bin").read_bytes(), fx
+    )
+    assert ctx.memory.seq_rm(0, 5, -1) is False  # deeper than the window: refused
+
+
+def test_rollback_after_one_token_decodes_is_exact(model, arch: str, fx: dict) -> None:
+    """Where llama.cpp b11312 keeps a stale state (a one-token decode after the batch, and a cut of the
+    whole last batch), the cut equals a fresh sequence fed the kept tokens."""
+    PROMPT = fx["prompt"]
+    ctx = _ctx(model, n_rs_seq=3)
+    ctx.decode(Batch(PROMPT))
+    ctx.decode(Batch([30]))
+    ctx.decode(Batch([31]))
+    assert ctx.memory.seq_rm(0, 12, -1) is True  # both one-token batches
+    ctx.decode(Batch([21], logits=[True]))
+    fresh = _ctx(model)
+    fresh.decode(Batch([*PROMPT, 21]))
+    _close(ctx.logits, fresh.logits)
+    ctx.memory.check_invariants()
 
 
 @pytest.mark.parametrize("dest", [0, 1])

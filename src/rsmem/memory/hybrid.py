@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -28,10 +28,11 @@ from rsmem.errors import NoSlotError
 from rsmem.memory import state_io
 from rsmem.memory.context import MemoryStatus, RecurrentMemoryContext
 from rsmem.memory.hybrid_state import parse_recurrent
-from rsmem.memory.kv_attention import KVCacheContext
+from rsmem.memory.kv_attention import KVCacheContext, attend_stored
 from rsmem.memory.kv_cache import KVCache
 from rsmem.memory.kv_state import KVStream, can_restore_kv, parse_kv, restore_kv, write_kv
 from rsmem.memory.recurrent import RecurrentMemory, StateShape
+from rsmem.memory.rollback import ReplayForward, RollbackHistory, ScratchState
 from rsmem.memory.state_io import Payload, Reader
 
 
@@ -76,18 +77,67 @@ def kv_size_for(n_ctx: int, n_seq_max: int, unified: bool) -> int:
     return (per_seq + 255) // 256 * 256
 
 
+class ReplayStates:
+    """What a rollback's replay gives a hybrid model: the recurrent scratch rows, and attention that reads
+    the keys and values the KV cache still holds for the replayed positions (it writes nothing)."""
+
+    def __init__(self, scratch: ScratchState, kv: KVCache, ubatch: UBatch) -> None:
+        self._scratch = scratch
+        self._kv = kv
+        self._seq = ubatch.seq_set(0)[0]
+        self._pos = list(ubatch.pos)
+
+    def read_states(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._scratch.read_states(il)
+
+    def write_states(self, il: int, r_out: torch.Tensor, s_out: torch.Tensor) -> None:
+        self._scratch.write_states(il, r_out, s_out)
+
+    def attention(
+        self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        del k, v  # the cache holds them already, computed from the same tokens
+        return attend_stored(self._kv, il, self._seq, self._pos, q, scale)
+
+
+class HybridRollback(RollbackHistory):
+    """The recurrent part's rollback history, whose replays also see the KV cache (:class:`ReplayStates`).
+
+    A hybrid ``seq_rm`` cuts the recurrent state first, while the KV cache still holds every position."""
+
+    def __init__(self, memory: RecurrentMemory, n_rs_seq: int, kv: KVCache) -> None:
+        super().__init__(memory, n_rs_seq)
+        self._kv = kv
+
+    def bind(self, forward: ReplayForward, max_tokens: int) -> None:
+        kv = self._kv
+
+        def replay(ubatch: UBatch, scratch: ScratchState) -> object:
+            # a model's forward takes any object with the memory context's methods; ReplayStates has them
+            return forward(ubatch, cast(ScratchState, ReplayStates(scratch, kv, ubatch)))
+
+        super().bind(replay, max_tokens)
+
+
 class HybridMemory:
     """A KV cache and a recurrent memory under one set of sequence operations."""
 
-    rollback = None  # n_rs_seq rollback is not wired for hybrids yet
-    n_rs_seq = 0
-
     def __init__(self, recurrent: RecurrentMemory, kv: KVCache) -> None:
+        """With a rollback window (``recurrent.n_rs_seq``) the recurrent part's history is replaced by a
+        :class:`HybridRollback` over the same memory."""
         if recurrent.n_seq_max != kv.n_seq_max:
             raise ValueError(f"parts disagree on n_seq_max: {recurrent.n_seq_max} and {kv.n_seq_max}")
         self.recurrent = recurrent
         self.kv = kv
         self.n_seq_max = recurrent.n_seq_max
+        if recurrent.rollback is not None:
+            recurrent.rollback = HybridRollback(recurrent, recurrent.n_rs_seq, kv)
+        self.rollback = recurrent.rollback
+
+    @property
+    def n_rs_seq(self) -> int:
+        """How many trailing positions ``seq_rm`` may cut (the recurrent part's rollback window)."""
+        return self.recurrent.n_rs_seq
 
     @classmethod
     def for_model(
@@ -100,14 +150,17 @@ class HybridMemory:
         state_dtype: torch.dtype = torch.float32,
         kv_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        n_rs_seq: int = 0,
     ) -> HybridMemory:
-        """The memory of a hybrid model: ``n_ctx`` KV cells in all (see :func:`kv_size_for`)."""
+        """The memory of a hybrid model: ``n_ctx`` KV cells in all (see :func:`kv_size_for`); ``n_rs_seq``:
+        the rollback window (a bound model replays the recurrent part; see :class:`HybridRollback`)."""
         recurrent = RecurrentMemory(
             StateShape(model.n_layer, model.n_embd_r, model.n_embd_s),
             n_seq_max,
             dtype=state_dtype,
             device=device,
             layer_filter=model.is_recurrent_layer,
+            n_rs_seq=n_rs_seq,
         )
         kv_size = kv_size_for(n_ctx, recurrent.n_seq_max, kv_unified)
         kv = KVCache(model.kv_layers, kv_size, n_seq_max, unified=kv_unified, dtype=kv_dtype, device=device)
@@ -171,8 +224,10 @@ class HybridMemory:
         """Split as the recurrent part needs (equal tokens per sequence), then dry-run both placements."""
         balloc.split_reset()
         ubatches: list[UBatch] = []
+        rollback = self.recurrent.rollback
+        tail, before = (0, 1) if rollback is None else (rollback.n_rs_seq, rollback.spacing)
         while True:
-            ub = balloc.split_seq(n_ubatch) if embd_all else balloc.split_equal(n_ubatch, False)
+            ub = balloc.split_seq(n_ubatch) if embd_all else balloc.split_equal(n_ubatch, False, tail, before)
             if ub is None:
                 break
             ubatches.append(ub)

@@ -123,3 +123,32 @@ class KVCacheContext:
             queries, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=n_head != n_head_kv
         )  # [G, H, n, d_v]
         return out.transpose(1, 2).reshape(n_groups * n, n_head * d_v)
+
+
+def attend_stored(
+    cache: KVCache, il: int, seq_id: int, pos: list[int], q: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of one sequence's queries ``q`` ``[n, n_head, d_k]`` at positions ``pos`` over the keys and
+    values the cache already holds for that sequence (positions up to each query's); nothing is written.
+    A rollback replays tokens whose keys and values are still in the cache. Returns ``[n, n_head * d_v]``."""
+    st = cache.stream_of(seq_id)
+    cells = cache.streams[st]
+    n_kv = cells.used_max_p1()
+    member = torch.tensor([seq_id in cells.seqs[j] for j in range(n_kv)], dtype=torch.bool)
+    cell_pos = torch.tensor(cells.pos[:n_kv], dtype=torch.long)
+    tok_pos = torch.tensor(pos, dtype=torch.long)
+    mask = (member & (cell_pos >= 0))[None, :] & (cell_pos[None, :] <= tok_pos[:, None])
+    keys, values = cache.k_l[il][st, :n_kv].to(q.dtype), cache.v_l[il][st, :n_kv].to(q.dtype)
+    n_head, d_k = q.shape[1], q.shape[2]
+    d_k_all, d_v_all = keys.shape[-1], values.shape[-1]
+    n_head_kv = d_k_all // d_k
+    d_v = d_v_all // n_head_kv
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, H, n, d_k]
+        keys.view(n_kv, n_head_kv, d_k).transpose(0, 1)[None],
+        values.view(n_kv, n_head_kv, d_v).transpose(0, 1)[None],
+        attn_mask=mask.to(q.device)[None, None],
+        scale=scale,
+        enable_gqa=n_head != n_head_kv,
+    )  # [1, H, n, d_v]
+    return out[0].transpose(0, 1).reshape(len(pos), n_head * d_v)
