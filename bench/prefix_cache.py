@@ -14,7 +14,14 @@ Reported per server: prompt tokens computed (not served from a cache), the share
 tokens served from a cache from the second turn on, TTFT p50/p99 (streamed), TTFT of the last turn over
 the second, and the cache's bytes.
 
-Run: .venv/bin/python bench/prefix_cache.py [--rounds 2] [--conversations 16] [--turns 8]
+Each round runs every server once on every workload, one after another, so rounds interleave the
+servers; the table gives the median over rounds with the worst round, and the TTFT ratio of each server
+to ``none`` as the median of per-round ratios with its worst round.
+
+Models: ``embedded`` (the packaged Shakespeare model, Mamba-2 d_model 256) or ``130m`` (a random
+Mamba-2 of the 130M class, d_model 768, 24 layers, with the embedded tokenizer's 4,096 tokens).
+
+Run: .venv/bin/python bench/prefix_cache.py [--model embedded|130m] [--rounds 3] [--conversations 16]
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ from dataclasses import dataclass, field
 import httpx
 import uvicorn
 
-from rsmem.engine import LLM, default_model_path
+from rsmem.engine import LLM, SamplingParams, default_model_path
+from rsmem.models import Mamba2Config
+from rsmem.models.random_init import random_mamba2
 from rsmem.server import ServeOptions, build_app
 
 SENTENCE = "Now is the winter of our discontent made glorious summer by this sun of York. "
@@ -161,8 +170,14 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["chat", "regenerate", "fanout"])
     ap.add_argument("--servers", nargs="+", default=list(SERVERS), choices=list(SERVERS))
     ap.add_argument("--by-turn", action="store_true", help="also print the median TTFT of each turn")
+    ap.add_argument("--model", choices=["embedded", "130m"], default="embedded")
     args = ap.parse_args()
     llm = LLM(default_model_path(), n_seq_max=args.parallel, n_batch=512)
+    if args.model == "130m":
+        cfg = Mamba2Config(d_model=768, n_layer=24, n_vocab=4096, d_state=128, n_head=24, n_group=1)
+        llm = LLM(random_mamba2(cfg, seed=0), tokenizer=llm.tokenizer, n_seq_max=args.parallel, n_batch=512)
+    llm.generate("warm up", SamplingParams.greedy(max_tokens=4))  # compiles the decode steps, if they compile
+    llm.context.memory.clear()
     words = SENTENCE.split()
     system = " ".join(words[i % len(words)] for i in range(args.system_words))
     results: dict[tuple[str, str], list[tuple[Tally, int]]] = {}
@@ -205,10 +220,36 @@ def main() -> None:
             f"| {statistics.median(p99) * 1e3:.0f} ms (max {max(p99) * 1e3:.0f}) "
             f"| {statistics.median(ratio) if ratio else float('nan'):.2f} | {mb:.1f} |"
         )
+    print_ratios(results, args)
     if args.by_turn:
         for (workload, name), runs in results.items():
             by_turn = {k: statistics.median(x for t, _ in runs for x in t.ttft_by_turn[k]) for k in turns}
             print(workload, name, " ".join(f"{k + 1}:{v * 1e3:.0f}ms" for k, v in by_turn.items()))
+
+
+def print_ratios(results: dict[tuple[str, str], list[tuple[Tally, int]]], args) -> None:
+    """Per workload and server: TTFT p50 and p99 over ``none``'s in the same round (median of rounds,
+    worst round in brackets) and the turn-8/turn-2 ratio per round."""
+    if "none" not in args.servers:
+        return
+    print("\n| workload | server | TTFT p50 / none | TTFT p99 / none | last/2nd turn by round |")
+    print("|---|---|---|---|---|")
+    for (workload, name), runs in results.items():
+        if name == "none":
+            continue
+        base = results[(workload, "none")]
+        r50 = [pct(t.ttft, 50) / pct(b.ttft, 50) for (t, _), (b, _) in zip(runs, base, strict=True)]
+        r99 = [pct(t.ttft, 99) / pct(b.ttft, 99) for (t, _), (b, _) in zip(runs, base, strict=True)]
+        turns = sorted(runs[0][0].ttft_by_turn)
+        last = [
+            statistics.median(t.ttft_by_turn[turns[-1]]) / statistics.median(t.ttft_by_turn[turns[1]])
+            for t, _ in runs
+            if len(turns) > 1
+        ]
+        print(
+            f"| {workload} | {name} | {statistics.median(r50):.2f} (worst {max(r50):.2f}) "
+            f"| {statistics.median(r99):.2f} (worst {max(r99):.2f}) | {' '.join(f'{x:.2f}' for x in last)} |"
+        )
 
 
 if __name__ == "__main__":
