@@ -44,10 +44,12 @@ class Context:
         n_rs_seq: int = 0,
         n_ctx: int = 4096,
         kv_unified: bool = False,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
-        """``n_ctx``, ``kv_unified``: the KV cache of a hybrid model's attention layers (``n_ctx`` cells in
-        all: one stream of them shared by every sequence, or ``n_ctx / n_seq_max`` per sequence, as
-        llama.cpp's context parameters); a model without attention layers ignores them."""
+        """``n_ctx``, ``kv_unified``, ``kv_dtype``: the KV cache of a hybrid model's attention layers
+        (``n_ctx`` cells in all: one stream of them shared by every sequence, or ``n_ctx / n_seq_max`` per
+        sequence, as llama.cpp's context parameters; K/V in float32, float16 or bfloat16); a model without
+        attention layers ignores them."""
         if n_batch < 1 or n_ubatch < 1:
             raise ValueError(f"n_batch and n_ubatch must be positive, got {n_batch} and {n_ubatch}")
         self.model = model
@@ -63,6 +65,7 @@ class Context:
                 n_ctx=n_ctx,
                 kv_unified=kv_unified,
                 state_dtype=state_dtype,
+                kv_dtype=kv_dtype,
                 device=device,
                 n_rs_seq=n_rs_seq,
             )

@@ -75,3 +75,26 @@ def test_corrupt_states_are_refused_with_the_memory_untouched(model) -> None:
             hybrid_state.load_seq_blob(ctx.memory, bytes(data), 0)
         assert ctx.memory.state_write(-1) == before
         ctx.memory.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_kv_cache(model, dtype: torch.dtype) -> None:
+    """K/V kept in f16/bf16: logits near llama.cpp's f32 ones; the state says so (ggml type 1 / 30) and
+    loads into an f32 cache, and llama.cpp's f32 blob into a half one."""
+    ctx = _ctx(model, kv_dtype=dtype)
+    mem = ctx.memory
+    assert isinstance(mem, HybridMemory) and mem.kv.k_l[1].dtype == dtype
+    ctx.decode(Batch(PROMPT, logits=[True] * len(PROMPT)))
+    want = torch.from_numpy(np.load(FIXTURES / "logits-prompt-f32.npy"))
+    err = (ctx.logits - want).abs().max().item()
+    assert err < (2e-3 if dtype == torch.float16 else 2e-2), err
+    blob = hybrid_state.seq_blob(mem, 0)
+    k_type = struct.unpack_from("<iQ", blob, 168)
+    assert k_type == ({torch.float16: 1, torch.bfloat16: 30}[dtype], 32 * 2)
+    f32 = _ctx(model)
+    hybrid_state.load_seq_blob(f32.memory, blob, 1)
+    assert f32.memory.kv.k_l[1][1, :12].equal(mem.kv.k_l[1][0, :12].float())
+    hybrid_state.load_seq_blob(mem, (FIXTURES / "state-seq0-f32.bin").read_bytes(), 1)
+    ctx.decode(Batch(CONT, seq_ids=[[1]] * 3, logits=[True] * 3))
+    cont = torch.from_numpy(np.load(FIXTURES / "logits-continuation-f32.npy"))
+    assert (ctx.logits - cont).abs().max().item() < (2e-3 if dtype == torch.float16 else 2e-2)
