@@ -14,7 +14,7 @@ snapshot and ``p0 - 1`` (see :mod:`rsmem.memory.rollback`). 0, the default, keep
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -22,7 +22,17 @@ from rsmem.batch.allocator import BatchAllocator
 from rsmem.batch.batch import Batch, UBatch
 from rsmem.errors import InvalidBatchError, NoSlotError
 from rsmem.memory import state_io
-from rsmem.memory.context import MemoryStatus
+from rsmem.memory.capture import (
+    CaptureKey,
+    CaptureRequest,
+    UBatchCapture,
+    UBatchPlan,
+    column_slices,
+    plan_ubatch,
+    take_at,
+)
+from rsmem.memory.checkpoint import Checkpoint, check_codec
+from rsmem.memory.context import MemoryStatus, RecurrentMemoryContext
 from rsmem.memory.hybrid import HybridMemory
 from rsmem.memory.recurrent import RecurrentMemory, StateShape
 from rsmem.memory.rollback import ScratchState
@@ -83,6 +93,7 @@ class Context:
         self._balloc = BatchAllocator()
         self._logits = torch.empty(0, model.n_vocab)
         self._output_row: dict[int, int] = {}  # batch index -> row of _logits
+        self._captured: dict[CaptureKey, Checkpoint] = {}
 
     @property
     def n_seq_max(self) -> int:
@@ -104,8 +115,23 @@ class Context:
 
     # ---------------------------------------------------------------- decode
 
-    def decode(self, batch: Batch) -> None:
-        """Fold the batch's tokens into their sequences' states and compute the requested logits."""
+    def decode(
+        self, batch: Batch, capture: CaptureRequest | None = None, capture_codec: str = "exact"
+    ) -> None:
+        """Fold the batch's tokens into their sequences' states and compute the requested logits.
+
+        ``capture`` maps a sequence id to token counts ``n``: keep a checkpoint of the state after that
+        sequence's token at position ``n - 1`` wherever it falls in the batch, in ``capture_codec``
+        (``"exact"``, ``"bf16"``, ``"int8"``; see :mod:`rsmem.memory.checkpoint`), read by
+        :meth:`captured`. Positions the batch does not hold are ignored. Micro-batches are not cut there:
+        Mamba and Mamba-2 emit the states from their pass over the whole micro-batch (other models run it
+        as slices ending at the positions; see :mod:`rsmem.memory.capture`). A hybrid model's memory
+        (a KV cache) has no checkpoints: ``capture`` raises ValueError there, before anything runs.
+        """
+        check_codec(capture_codec)
+        if capture and not isinstance(self.memory, RecurrentMemory):
+            raise ValueError("captures need a recurrent memory: a hybrid model's KV cache has no checkpoints")
+        self._captured = {}
         balloc = self._balloc
         balloc.init(batch, n_vocab=self.n_vocab, n_seq_max=self.n_seq_max, memory=self.memory)
         if balloc.n_tokens > self.n_batch:
@@ -117,15 +143,17 @@ class Context:
         out_indices = [i for i, out in enumerate(balloc.outputs) if out]
         output_row = {b: k for k, b in enumerate(out_indices)}
         logits = torch.empty(len(out_indices), self.n_vocab, dtype=torch.float32)
+        captured: dict[CaptureKey, Checkpoint] = {}
         try:
             with torch.inference_mode():
                 while True:
                     mctx.apply()
                     ub = mctx.ubatch
-                    ub_logits = self.model.forward(ub, mctx)
-                    rows = [output_row[ub.batch_index[i]] for i in ub.output_rows()]
-                    if rows:
-                        logits[rows] = ub_logits
+                    plan = plan_ubatch(ub, capture) if capture else None
+                    for sub, ub_logits in self._forward(ub, mctx, plan, capture_codec, captured):
+                        rows = [output_row[sub.batch_index[i]] for i in sub.output_rows()]
+                        if rows:
+                            logits[rows] = ub_logits
                     if not mctx.next():
                         break
         except BaseException:
@@ -135,6 +163,48 @@ class Context:
             raise
         self._logits = logits
         self._output_row = output_row
+        self._captured = captured
+
+    def _forward(
+        self,
+        ub: UBatch,
+        states: RecurrentMemoryContext,
+        plan: UBatchPlan | None,
+        codec: str,
+        captured: dict[CaptureKey, Checkpoint],
+    ) -> Iterator[tuple[UBatch, torch.Tensor]]:
+        """Run one placed micro-batch (as slices for a model that cannot capture ``plan``'s inner points),
+        yielding each part and its logits; adds the checkpoints of ``plan`` to ``captured``."""
+        if plan is None:
+            yield ub, self.model.forward(ub, states)
+            return
+        inner = plan.inner()
+        if inner and getattr(self.model, "captures_states", False):
+            sink = UBatchCapture(self.memory, [plan.points[i] for i in inner], codec)
+            yield ub, self.model.forward(ub, states, capture=sink)  # type: ignore[call-arg]
+            for i, ckpt in zip(inner, sink.checkpoints([plan.pos[i] for i in inner]), strict=True):
+                captured.update(dict.fromkeys(plan.keys[i], ckpt))
+            self._take_ending(ub, plan, ub.n_seq_tokens - 1, codec, captured)
+            return
+        end = 0
+        for part in column_slices(ub, [plan.points[i][1] for i in inner]):
+            yield part, self.model.forward(part, states)
+            end += part.n_seq_tokens
+            self._take_ending(ub, plan, end - 1, codec, captured)
+
+    def _take_ending(
+        self, ub: UBatch, plan: UBatchPlan, t: int, codec: str, captured: dict[CaptureKey, Checkpoint]
+    ) -> None:
+        """Add the checkpoints of ``plan``'s points after token ``t``, which the cells hold now."""
+        for i in plan.ending_at(t):
+            ckpt = take_at(self.memory, ub, plan.points[i][0], plan.pos[i], codec)
+            captured.update(dict.fromkeys(plan.keys[i], ckpt))
+
+    def captured(self) -> dict[CaptureKey, Checkpoint]:
+        """The checkpoints the last :meth:`decode` captured, by ``(seq_id, n)`` as requested (only those
+        whose position was in the batch); empty after a decode that raised. Each has the ``pos`` and rows
+        ``checkpoint.take`` would have recorded had the batch ended after position ``n - 1``."""
+        return dict(self._captured)
 
     # ---------------------------------------------------------------- logits
 

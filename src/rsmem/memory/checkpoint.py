@@ -67,10 +67,22 @@ class Checkpoint:
         )
 
 
-def take(memory: RecurrentMemory, seq_id: int, codec: str = "exact") -> Checkpoint | None:
-    """A copy of ``seq_id``'s state, or None when the sequence holds none."""
+def check_codec(codec: str) -> None:
+    """Raise ValueError unless ``codec`` is one of :data:`CODECS`."""
     if codec not in CODECS:
         raise ValueError(f"unknown checkpoint codec {codec!r}: use one of {', '.join(CODECS)}")
+
+
+def encode(rows: torch.Tensor, codec: str) -> Encoded:
+    """One layer's state rows (``[1, n_embd]`` in the memory's dtype) in ``codec``, as :func:`take` keeps
+    them: for builders of checkpoints from rows that are not a cell's (``rsmem.memory.capture``)."""
+    check_codec(codec)
+    return _encode(rows, codec)
+
+
+def take(memory: RecurrentMemory, seq_id: int, codec: str = "exact") -> Checkpoint | None:
+    """A copy of ``seq_id``'s state, or None when the sequence holds none."""
+    check_codec(codec)
     memory.require_seq(seq_id, "checkpoint")
     cell = memory.cells.tail[seq_id]
     if cell < 0:

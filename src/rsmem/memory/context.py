@@ -47,6 +47,7 @@ class RecurrentMemoryContext:
         self._copy_index: torch.Tensor | None = None
         self._moved_dst = self._moved_src = torch.empty(0, dtype=torch.long)  # rows to move, and from where
         self._zero_needed = False  # some cell reads the zero row rs_z
+        self._staged: set[int] = set()  # layers whose staged moves the current micro-batch has done
 
     # ------------------------------------------------------------ the plan
 
@@ -58,6 +59,7 @@ class RecurrentMemoryContext:
             rollback.after_ubatch(self.memory, self.ubatches[self._i], self.final_positions())
         self._i += 1
         self._copy_index = None
+        self._staged.clear()
         return self._i < len(self.ubatches)
 
     def apply(self) -> bool:
@@ -67,6 +69,7 @@ class RecurrentMemoryContext:
         if not self.ubatches:  # an update (NO_UPDATE) or a full context: nothing to place
             return True
         self._copy_index = None
+        self._staged.clear()
         if self.memory.rollback is not None:
             self.memory.rollback.before_ubatch(self.memory, self.ubatches[self._i])
         if not self.memory.find_slot(self.ubatches[self._i]):
@@ -132,10 +135,15 @@ class RecurrentMemoryContext:
         Cells already in place cost nothing, so steady decode moves no data at all.
 
         Returns views of rows ``[head, head + n_seqs)``. A model may update them in place; it must not
-        read the inputs again after ``write_states``.
+        read the inputs again after ``write_states``. The moves are done once per layer and micro-batch:
+        a micro-batch run as several column slices (``rsmem.memory.capture``) reads, in each later slice,
+        the states the slice before wrote.
         """
         r, s = self._layer(il)
         n_seqs, head = self.ubatch.n_seqs, self.head
+        if il in self._staged:
+            return r[head : head + n_seqs], s[head : head + n_seqs]
+        self._staged.add(il)
         self.copy_index()
         if self._zero_needed:
             r[self.rs_z].zero_()

@@ -17,7 +17,7 @@ import torch
 from rsmem.batch.batch import Batch, UBatch
 from rsmem.hugepages import huge_page_copies
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
-from rsmem.models.ops.common import output_rows
+from rsmem.models.ops.common import CapturePoints, output_rows
 from rsmem.models.ops.fused import token_step
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
@@ -25,6 +25,8 @@ from rsmem.models.protocol import StateAccess
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+
+    from rsmem.memory.capture import StateCapture
 
 
 def prepare_layer(layer: Any, matrices: tuple[str, ...], dtype: torch.dtype, packing: bool = False) -> Any:
@@ -49,6 +51,7 @@ class MambaFamilyModel:
     """
 
     arch: ClassVar[str]
+    captures_states: ClassVar[bool] = True  # forward takes ``capture`` (see rsmem.memory.capture)
     matrices: ClassVar[tuple[str, ...]]  # layer fields held transposed, [in, out], in the compute dtype
 
     def __init__(
@@ -167,18 +170,26 @@ class MambaFamilyModel:
     def is_recurrent_layer(self, il: int) -> bool:
         return True
 
-    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
+    def forward(
+        self, ubatch: UBatch, states: StateAccess, capture: StateCapture | None = None
+    ) -> torch.Tensor:
+        """The protocol's forward; with ``capture``, also hands ``capture.keep`` each layer's states after
+        the points ``capture.points`` (``(s, t)``: sequence set ``s`` after its token ``t``), from the same
+        pass: projections, conv and scan run over the whole micro-batch (see :meth:`mixer`)."""
         eps = self.config.eps
         tokens = ubatch.token_tensor()  # [Bs, L]
         n_seqs, n_tokens = tokens.shape
-        if n_tokens == 1 and self.compile_decode and (n_seqs > 1 or self._rows_contiguous):
+        at = capture.points if capture is not None else ()
+        if n_tokens == 1 and not at and self.compile_decode and (n_seqs > 1 or self._rows_contiguous):
             return self.decode_forward(tokens[:, 0], ubatch, states)
         x = self.embedding[tokens]  # [Bs, L, d_model], a fresh tensor: the residual adds in place
         for il, layer in enumerate(self.layers):
             r, s = states.read_states(il)
             window, h = self.state_views(r, s, n_seqs)
-            out = self.mixer(layer, rms_norm(x, layer.norm, eps), window, h)
+            out, kept = self.mixer(layer, rms_norm(x, layer.norm, eps), window, h, at)
             states.write_states(il, window, h)  # no copy when they are the memory's rows
+            if capture is not None and kept is not None:
+                capture.keep(il, kept[0].reshape(len(at), -1), kept[1].reshape(len(at), -1))
             x += out
         return self.head(x, ubatch)
 
@@ -216,7 +227,11 @@ class MambaFamilyModel:
         """
         return r.view(n_seqs, *self._window_shape).float(), s.view(n_seqs, *self._state_shape).float()
 
-    def mixer(self, layer: Any, u: torch.Tensor, window: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def mixer(
+        self, layer: Any, u: torch.Tensor, window: torch.Tensor, h: torch.Tensor, at: CapturePoints = ()
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The mixer over ``u`` ``[Bs, L, d_model]``: returns its output and updates the conv ``window`` and
-        the SSM state ``h`` in place to their values after the last token."""
+        the SSM state ``h`` in place to their values after the last token. With points ``at`` (``(b, t)``:
+        sequence ``b`` after its token ``t``) also returns the windows ``[len(at), *window.shape[1:]]`` and
+        states ``[len(at), *h.shape[1:]]`` after them, else None."""
         raise NotImplementedError

@@ -16,16 +16,17 @@ import torch.nn.functional as F
 
 from rsmem.models.base import MambaFamilyModel
 from rsmem.models.compiled import CompiledStep, CompileSetting
-from rsmem.models.ops.conv import causal_conv1d_
+from rsmem.models.ops.common import CapturePoints
+from rsmem.models.ops.conv import causal_conv1d_, conv_windows_at
 from rsmem.models.ops.fused import (
     conv_step_,
     mamba_layer_one_,
     mamba_scan_block,
     mamba_ssm_step_,
-    selective_scan_blocked_,
+    selective_scan_blocked_at_,
 )
 from rsmem.models.ops.norm import rms_norm
-from rsmem.models.ops.selective_scan import selective_scan_
+from rsmem.models.ops.selective_scan import selective_scan_at_
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,20 +104,28 @@ class MambaModel(MambaFamilyModel):
         )
 
     def mixer(
-        self, layer: MambaLayer, u: torch.Tensor, window: torch.Tensor, h: torch.Tensor
-    ) -> torch.Tensor:
-        """The selective SSM block over ``u`` ``[Bs, L, d_model]``; updates ``window`` and ``h`` in place."""
+        self,
+        layer: MambaLayer,
+        u: torch.Tensor,
+        window: torch.Tensor,
+        h: torch.Tensor,
+        at: CapturePoints = (),
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The selective SSM block over ``u`` ``[Bs, L, d_model]``; updates ``window`` and ``h`` in place
+        (and returns their values after the points ``at``, see the base class)."""
         cfg = self.config
         xs, z = self.linear(u, layer.in_proj).split(cfg.d_inner, dim=-1)
+        windows_at = conv_windows_at(window, xs, at) if at else None  # before the conv moves the window
         xc = F.silu(causal_conv1d_(xs, window, layer.conv_weight, layer.conv_bias))
         dt_low, B, C = self.linear(xc, layer.x_proj).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
         dt = F.softplus(F.linear(dt_low, layer.dt_proj, layer.dt_bias))
         if self.compile_decode and xc.shape[1] > 1:  # compiled blocks of the sequential scan
             block = self._scan_block_one if xc.shape[0] == 1 else self._scan_block_many
-            y = selective_scan_blocked_(xc, dt, layer.A, B, C, layer.D, h, block)
+            y, h_at = selective_scan_blocked_at_(xc, dt, layer.A, B, C, layer.D, h, at, block)
         else:
-            y = selective_scan_(xc, dt, layer.A, B, C, layer.D, h)
-        return self.linear(y.mul_(F.silu(z)), layer.out_proj)
+            y, h_at = selective_scan_at_(xc, dt, layer.A, B, C, layer.D, h, at)
+        out = self.linear(y.mul_(F.silu(z)), layer.out_proj)
+        return out, None if windows_at is None else (windows_at, h_at)
 
     def make_compiled_steps(self) -> None:
         self._conv_step = CompiledStep(conv_step_, batch_args=(0, 1), mutated=(1,))

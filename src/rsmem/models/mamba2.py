@@ -16,10 +16,11 @@ import torch.nn.functional as F
 
 from rsmem.models.base import MambaFamilyModel
 from rsmem.models.compiled import CompiledStep, CompileSetting
-from rsmem.models.ops.conv import causal_conv1d_
+from rsmem.models.ops.common import CapturePoints
+from rsmem.models.ops.conv import causal_conv1d_, conv_windows_at
 from rsmem.models.ops.fused import mamba2_layer_one_, mamba2_mixer_step_
 from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
-from rsmem.models.ops.ssd import ssd_chunked_
+from rsmem.models.ops.ssd import ssd_chunked_at_
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,16 +103,23 @@ class Mamba2Model(MambaFamilyModel):
         )
 
     def mixer(
-        self, layer: Mamba2Layer, u: torch.Tensor, window: torch.Tensor, h: torch.Tensor
-    ) -> torch.Tensor:
-        """The SSD block over ``u`` ``[Bs, L, d_model]``; updates ``window`` and ``h`` in place."""
+        self,
+        layer: Mamba2Layer,
+        u: torch.Tensor,
+        window: torch.Tensor,
+        h: torch.Tensor,
+        at: CapturePoints = (),
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The SSD block over ``u`` ``[Bs, L, d_model]``; updates ``window`` and ``h`` in place (and returns
+        their values after the points ``at``, see the base class)."""
         cfg = self.config
         n_seqs, n_tokens, _ = u.shape
         z, xBC, dt = self.linear(u, layer.in_proj).split([cfg.d_inner, cfg.conv_dim, cfg.n_head], dim=-1)
+        windows_at = conv_windows_at(window, xBC, at) if at else None  # before the conv moves the window
         xBC = F.silu(causal_conv1d_(xBC, window, layer.conv_weight, layer.conv_bias))
         gn = cfg.n_group * cfg.d_state
         x, B, C = xBC.split([cfg.d_inner, gn, gn], dim=-1)
-        y = ssd_chunked_(
+        y, h_at = ssd_chunked_at_(
             x.reshape(n_seqs, n_tokens, cfg.n_head, cfg.head_dim),
             F.softplus(dt + layer.dt_bias),
             layer.A,
@@ -119,12 +127,13 @@ class Mamba2Model(MambaFamilyModel):
             C.reshape(n_seqs, n_tokens, cfg.n_group, cfg.d_state),
             layer.D,
             h,
+            at,
             chunk_size=cfg.chunk_size,
         )
         y = gated_group_rms_norm(
             y.reshape(n_seqs, n_tokens, cfg.d_inner), z, layer.ssm_norm, cfg.n_group, cfg.eps
         )
-        return self.linear(y, layer.out_proj)
+        return self.linear(y, layer.out_proj), None if windows_at is None else (windows_at, h_at)
 
     def make_compiled_steps(self) -> None:
         self._mixer_step = CompiledStep(mamba2_mixer_step_, batch_args=(0, 1, 8), mutated=(1, 8))

@@ -3,7 +3,7 @@ of the scans' reference twins."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -55,3 +55,26 @@ def scan_tokens(
         y, h = step(h, x[:, t], dt[:, t], A, B[:, t], C[:, t], D)
         ys.append(y)
     return torch.stack(ys, dim=1), h
+
+
+CapturePoints = Sequence[tuple[int, int]]  # (sequence index in the micro-batch, token offset)
+
+
+def states_at_ref(
+    step: StateStep,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+    at: CapturePoints,
+) -> torch.Tensor:
+    """Token-by-token twin of a scan's states at points: the state of sequence ``b`` after its token ``t``
+    for each ``(b, t)`` of ``at``, stacked: ``[len(at), *h.shape[1:]]``."""
+    after = []
+    for t in range(x.shape[1]):
+        _, h = step(h, x[:, t], dt[:, t], A, B[:, t], C[:, t], D)
+        after.append(h)
+    return torch.stack([after[t][b] for b, t in at]) if at else h.new_empty(0, *h.shape[1:])

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rsmem.models.ops.common import CapturePoints
+
 
 def causal_conv1d_(
     x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -50,3 +52,26 @@ def causal_conv1d_ref(
         outs.append(y + bias if bias is not None else y)
         window = full[:, :, 1:]
     return torch.stack(outs, dim=1), window
+
+
+def conv_windows_at(window: torch.Tensor, x: torch.Tensor, at: CapturePoints) -> torch.Tensor:
+    """The windows :func:`causal_conv1d_` would leave after each point of ``at``: for ``(b, t)``, the last
+    ``K - 1`` inputs of sequence ``b`` up to and including its token ``t``, from ``window`` ``[Bs, C, K-1]``
+    (the window before ``x`` ``[Bs, L, C]``; call this before the conv updates it). Returns
+    ``[len(at), C, K-1]``: column copies, no arithmetic, so the windows are exact."""
+    k1 = window.shape[2]
+    out = window.new_empty(len(at), window.shape[1], k1)
+    for i, (b, t) in enumerate(at):
+        kept = max(0, k1 - (t + 1))  # columns still from the window before the micro-batch
+        out[i, :, :kept] = window[b, :, k1 - kept :]
+        out[i, :, kept:] = x[b, t + 1 - (k1 - kept) : t + 1].t()
+    return out
+
+
+def conv_windows_at_ref(window: torch.Tensor, x: torch.Tensor, at: CapturePoints) -> torch.Tensor:
+    """Token-by-token twin of :func:`conv_windows_at`: shift the window one input at a time."""
+    after = []
+    for t in range(x.shape[1]):
+        window = torch.cat([window, x[:, t, :, None]], dim=2)[:, :, 1:]
+        after.append(window)
+    return torch.stack([after[t][b] for b, t in at]) if at else window.new_empty(0, *window.shape[1:])

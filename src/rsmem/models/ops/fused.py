@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from rsmem.models.ops.common import CapturePoints
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
 
@@ -130,23 +131,55 @@ def selective_scan_blocked_(
 ) -> torch.Tensor:
     """:func:`~rsmem.models.ops.selective_scan.selective_scan_` as a loop over ``SCAN_BLOCK``-token blocks
     of ``block`` (the compiled :func:`mamba_scan_block`); updates ``h`` in place, returns ``y``
-    ``[Bs, L, D]``. The last block is padded with ``dt = 0``, which leaves the state exactly as it is."""
+    ``[Bs, L, D]`` (see :func:`selective_scan_blocked_at_`)."""
+    return selective_scan_blocked_at_(x, dt, A, B, C, D, h, (), block)[0]
+
+
+def selective_scan_blocked_at_(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+    at: CapturePoints,
+    block: Callable[..., tuple[torch.Tensor, torch.Tensor]] = mamba_scan_block,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`selective_scan_blocked_`, also returning the states after the points of ``at`` (``(b, t)``:
+    sequence ``b`` after its token ``t``): ``(y [Bs, L, D], [len(at), D, N])``.
+
+    A block also ends after each point's token (so a point costs at most one more block); a block shorter
+    than ``SCAN_BLOCK`` is padded with ``dt = 0``, which leaves the state exactly as it is."""
     n_tokens = x.shape[1]
-    pad = (-n_tokens) % SCAN_BLOCK
-    xp, dtp, Bp, Cp = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (x, dt, B, C))
+    h_at = h.new_empty(len(at), *h.shape[1:])
+    cuts = sorted({t + 1 for _, t in at})
     # Every block gets fresh tensors with the same strides and kind whatever the prompt length (a slice's
     # strides depend on it, even along a size-1 batch dimension): one compilation serves every prompt.
     state, ys = h.clone(), []
-    for i in range(0, n_tokens + pad, SCAN_BLOCK):
-        j = i + SCAN_BLOCK
-        dt_b, x_b, B_b, C_b = (
-            torch.empty(t[:, i:j].shape, dtype=t.dtype).copy_(t[:, i:j]) for t in (dtp, xp, Bp, Cp)
-        )
+    i = 0
+    while i < n_tokens:
+        j = min([i + SCAN_BLOCK, n_tokens, *(c for c in cuts if c > i)])
+        dt_b, x_b, B_b, C_b = (_block_of(t, i, j) for t in (dt, x, B, C))
         y, state = block(state, dt_b, x_b, A, B_b, C_b)
-        ys.append(y)
+        ys.append(y[:, : j - i] if j - i < SCAN_BLOCK else y)
+        for k, (b, t) in enumerate(at):
+            if t == j - 1:
+                h_at[k] = state[b]
+        i = j
     h.copy_(state)
-    y = torch.cat(ys, dim=1)[:, :n_tokens] if len(ys) > 1 or pad else ys[0]
-    return torch.addcmul(y, D, x)
+    y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
+    return torch.addcmul(y, D, x), h_at
+
+
+def _block_of(t: torch.Tensor, i: int, j: int) -> torch.Tensor:
+    """Tokens ``[i, j)`` of ``t`` ``[Bs, L, ...]`` as a fresh ``[Bs, SCAN_BLOCK, ...]`` tensor, zero after
+    ``j - i`` tokens."""
+    if j - i == SCAN_BLOCK:
+        return torch.empty(t[:, i:j].shape, dtype=t.dtype).copy_(t[:, i:j])
+    out = t.new_zeros(t.shape[0], SCAN_BLOCK, *t.shape[2:])
+    out[:, : j - i] = t[:, i:j]
+    return out
 
 
 # -------------------------------------------------------------------------------------------- Mamba-2

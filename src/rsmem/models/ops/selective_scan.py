@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from rsmem.models.ops.common import scan_tokens
+from rsmem.models.ops.common import CapturePoints, scan_tokens, states_at_ref
 
 # Inside a chunk the scan divides by exp(E_t), the decay accumulated since the chunk's first token.
 # Chunks end before that passes exp(-60), far from float32's limit (exp(88)): nothing overflows.
@@ -99,15 +99,37 @@ def selective_scan_(
     max_chunk: int = 32,
 ) -> torch.Tensor:
     """Chunked scan over ``L`` tokens; updates ``h`` in place to the state after the last token and
-    returns ``y`` ``[Bs, L, D]``.
+    returns ``y`` ``[Bs, L, D]`` (see :func:`selective_scan_at_`)."""
+    return selective_scan_at_(x, dt, A, B, C, D, h, (), max_chunk=max_chunk)[0]
+
+
+def selective_scan_at_(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+    at: CapturePoints,
+    *,
+    max_chunk: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`selective_scan_`, also returning the states after the points of ``at`` (``(b, t)``: sequence
+    ``b`` after its token ``t``): ``(y [Bs, L, D], [len(at), D, N])``.
 
     In a chunk starting at token 0, with ``a_t = dt_t * A`` and ``E_t = a_1 + ... + a_t`` (``E_0 = 0``):
     ``h_t = exp(E_t) * (exp(a_0) * h_in + sum_{k<=t} exp(-E_k) * dt_k x_k B_k)`` -- one cumulative sum
-    instead of ``t`` dependent steps. Chunk lengths adapt so ``-E`` stays below ``MAX_LOG_DECAY``.
+    instead of ``t`` dependent steps. Chunk lengths adapt so ``-E`` stays below ``MAX_LOG_DECAY``. The scan
+    holds every ``h_t`` of a chunk, so a state at a point is a copy.
     """
     n_tokens = x.shape[1]
+    h_at = h.new_empty(len(at), *h.shape[1:])
     if n_tokens == 1:
-        return selective_state_update_(h, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D).unsqueeze(1)
+        y1 = selective_state_update_(h, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D).unsqueeze(1)
+        for k, (b, _) in enumerate(at):
+            h_at[k] = h[b]
+        return y1, h_at
     max_decay = (dt * (-A).amax(-1)).amax(dim=(0, 2)).tolist()  # [L]
     bounds = chunk_bounds(max_decay, max_chunk)
     dtx = dt * x
@@ -121,9 +143,26 @@ def selective_scan_(
         S = cumsum_(u.div_(eE))
         S.add_(state.unsqueeze(1) * torch.exp(dt0.unsqueeze(-1) * A)).mul_(eE)  # h_t for every t of the chunk
         y[:, i:j] = torch.matmul(S, C[:, i:j, :, None]).squeeze(-1)
+        for k, (b, t) in enumerate(at):
+            if i <= t < j:
+                h_at[k] = S[b, t - i]
         state = S[:, -1]
     h.copy_(state)
-    return torch.addcmul(y, D, x)
+    return torch.addcmul(y, D, x), h_at
+
+
+def selective_states_at_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+    at: CapturePoints,
+) -> torch.Tensor:
+    """Token-by-token twin of the states :func:`selective_scan_at_` returns at ``at``."""
+    return states_at_ref(selective_state_step, x, dt, A, B, C, D, h, at)
 
 
 def selective_scan(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rsmem.models.ops.common import scan_tokens
+from rsmem.models.ops.common import CapturePoints, scan_tokens, states_at_ref
 
 # Sequences whose states are updated together in one decode step: about what one core's L2 cache holds.
 STATE_BLOCK_BYTES = 1 << 20
@@ -90,16 +90,36 @@ def ssd_chunked_(
     chunk_size: int = 64,
 ) -> torch.Tensor:
     """The SSD chunked algorithm (Dao & Gu 2024, listing 1) from the state ``h``, which is updated in place
-    to the state after the last token; returns ``y`` ``[Bs, L, H, P]``.
+    to the state after the last token; returns ``y`` ``[Bs, L, H, P]`` (see :func:`ssd_chunked_at_`)."""
+    return ssd_chunked_at_(x, dt, A, B, C, D, h, (), chunk_size=chunk_size)[0]
+
+
+def ssd_chunked_at_(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+    at: CapturePoints,
+    *,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ssd_chunked_`, also returning the states after the points of ``at`` (``(b, t)``: sequence
+    ``b`` after its token ``t``): ``(y [Bs, L, H, P], [len(at), H, P, N])``.
 
     Inside a chunk, outputs are ``(C B^T o L) (x dt)`` with ``L[l, s] = exp(sum_{s<k<=l} dt_k A)``; chunk
-    boundary states are carried by a short loop over chunks (``L / chunk_size`` steps, not ``L``).
+    boundary states are carried by a short loop over chunks (``L / chunk_size`` steps, not ``L``). A state
+    inside a chunk is that chunk's start state decayed to the point plus the partial sum of the chunk's
+    inputs up to it (:func:`_partial_state`): one chunk's worth of work per point, the grid unchanged.
     """
     n_seqs, n_tokens, n_head, head_dim = x.shape
     n_group, d_state = B.shape[2], B.shape[3]
     rep = n_head // n_group
     if n_tokens == 1:
-        return ssd_state_update_(h, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D).unsqueeze(1)
+        y1 = ssd_state_update_(h, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D).unsqueeze(1)
+        return y1, torch.stack([h[b] for b, _ in at]) if at else h.new_empty(0, *h.shape[1:])
     q = min(chunk_size, n_tokens)
     pad = (-n_tokens) % q
     nc = (n_tokens + pad) // q
@@ -133,11 +153,46 @@ def ssd_chunked_(
         state = torch.addcmul(chunk_states[:, c], state, chunk_decay[:, c, :, :, None, None])
     start_states = torch.stack(starts, dim=1)  # [Bs, nc, G, R, P, N]
 
+    # the states at the points, before h is overwritten (starts[0] is a view of it)
+    h_at = h.new_empty(len(at), *h.shape[1:])
+    for i, (b, t) in enumerate(at):
+        c, k = divmod(t, q)
+        if k == q - 1:  # a chunk's end: the next chunk's start (or the final state)
+            h_at[i] = (start_states[b, c + 1] if c + 1 < nc else state[b]).view(h_at.shape[1:])
+        else:
+            part = (acs[b, c, : k + 1], xdt[b, c, : k + 1], Bc[b, c, : k + 1])
+            h_at[i] = _partial_state(start_states[b, c], *part).view(h_at.shape[1:])
+
     # 4. the start state's contribution to every position, decayed from the chunk start
     y_off = torch.einsum("bclgn,bcgrpn->bclgrp", Cc, start_states) * torch.exp(acs).unsqueeze(-1)
     y = (y + y_off).reshape(n_seqs, nc * q, n_head, head_dim)[:, :n_tokens]
     h.copy_(state.view(h.shape))
-    return torch.addcmul(y, x, D.unsqueeze(-1))
+    return torch.addcmul(y, x, D.unsqueeze(-1)), h_at
+
+
+def _partial_state(
+    start: torch.Tensor, acs: torch.Tensor, xdt: torch.Tensor, B: torch.Tensor
+) -> torch.Tensor:
+    """One sequence's state after token ``l`` of a chunk from the chunk's ``start`` ``[G, R, P, N]`` and its
+    tokens ``0..l``: ``acs`` ``[l+1, G, R]`` (cumulative ``dt A``), ``xdt`` ``[l+1, G, R, P]``, ``B``
+    ``[l+1, G, N]`` -- the chunk-end formula of :func:`ssd_chunked_at_` with the end at ``l``."""
+    to_l = torch.exp(acs[-1:] - acs)  # [l+1, G, R]
+    part = torch.einsum("lgn,lgrp->grpn", B, xdt * to_l.unsqueeze(-1))
+    return torch.addcmul(part, start, torch.exp(acs[-1])[:, :, None, None])
+
+
+def ssd_states_at_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h: torch.Tensor,
+    at: CapturePoints,
+) -> torch.Tensor:
+    """Token-by-token twin of the states :func:`ssd_chunked_at_` returns at ``at``."""
+    return states_at_ref(ssd_state_step, x, dt, A, B, C, D, h, at)
 
 
 def ssd_chunked(
