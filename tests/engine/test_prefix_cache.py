@@ -218,6 +218,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         toks = tuple(self.query(data))
         assert self.cache.divergence(toks) == max((lcp(k, toks) for k in self.model), default=0)
 
+    @rule(data=st.data())
+    def along(self, data: st.DataObject) -> None:
+        toks = tuple(self.query(data))
+        expected = sorted(len(k) for k in self.model if 0 < len(k) <= len(toks) and toks[: len(k)] == k)
+        assert list(self.cache.along(toks)) == expected
+
     @rule(data=st.data(), n_bytes=st.one_of(st.integers(-5, 20), st.integers(21, BUDGET + 10)))
     def evict(self, data: st.DataObject, n_bytes: int) -> None:
         candidates = [k for k, r in self.model.items() if r.pins == 0]
