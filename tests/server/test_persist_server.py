@@ -7,6 +7,7 @@ server stops, and nothing of the first engine is reachable from the second)."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 import httpx
 import pytest
@@ -14,7 +15,8 @@ from conftest import LiveServer, start_server
 
 from rsmem.cli.serve import register
 from rsmem.errors import RsmemError
-from rsmem.server import ServeOptions
+from rsmem.memory import checkpoint_file as cf
+from rsmem.server import ServeOptions, build_app
 
 SYSTEM = "You are a player in a company of actors, and you speak in verse. " * 6
 TURN1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who art thou?"}]
@@ -141,3 +143,27 @@ def test_cache_dir_flags_are_parsed_and_checked():
     ):
         with pytest.raises(RsmemError, match=message):
             ServeOptions.from_args(args, **bad).check()
+
+
+def test_a_corrupt_companion_is_skipped_and_the_slot_restores(shared_llm, tmp_path, caplog):
+    slots = tmp_path / "slots"
+    first, saved = park_turn1(shared_llm, slots)
+    companion = slots / "talk.bin.ckpt"
+    data = bytearray(companion.read_bytes())
+    data[-100] ^= 0x04
+    companion.write_bytes(bytes(data))
+    with start_server(shared_llm, slot_save_path=slots, max_tokens_limit=64) as server:
+        with caplog.at_level(logging.WARNING, logger="rsmem.kept"):
+            assert slot_action(server, "restore", "talk.bin")["n_restored"] == saved["n_saved"]
+        regenerated = chat(server, TURN1, slot=1)
+    assert "checksum" in caplog.text
+    assert computed(regenerated) == first["usage"]["prompt_tokens"]  # nothing of the companion was used
+    assert regenerated["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+def test_a_cache_dir_that_cannot_hold_the_model_folder_is_one_error(shared_llm, tmp_path):
+    ctx = shared_llm.context
+    folder = cf.model_fingerprint(ctx.model, cf.Layout.of(ctx.memory)).hex()[:16]
+    (tmp_path / folder).write_text("a file where the model's folder goes")
+    with pytest.raises(RsmemError, match="--cache-dir"):
+        build_app(shared_llm, ServeOptions(cache_dir=tmp_path))

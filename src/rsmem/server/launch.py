@@ -136,19 +136,12 @@ def build_app(llm: LLM, options: ServeOptions) -> ServerApp:
             cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RsmemError(f"--cache-dir {cache_dir}: {exc.strerror}") from exc
-    engine = Engine(
-        llm.context,
-        tok,
-        prompt_cache=not options.no_prompt_cache,
-        max_prompt_tokens=options.max_prompt_tokens,
-        max_tokens_limit=options.max_tokens_limit,
-        cache_bytes=0 if options.no_prompt_cache else options.cache_ram << 20,
-        checkpoint_interval=options.checkpoint_interval,
-        checkpoint_codec=options.checkpoint_codec,
-        cache_dir=None if options.no_prompt_cache else cache_dir,
-        cache_disk_bytes=options.cache_disk << 20,
-        prefill_cap=options.prefill_cap,
-    )
+    try:
+        engine = _engine(llm, options, cache_dir)
+    except OSError as exc:  # the cache dir's model folder cannot be made or read
+        if cache_dir is None:
+            raise
+        raise RsmemError(f"--cache-dir {cache_dir}: {exc.strerror or exc}") from exc
     settings = ServerSettings(
         model_name=options.alias or path.stem,
         model_aliases=frozenset({path.name, path.stem, str(path)}),
@@ -309,3 +302,19 @@ def _signals(server: _GracefulServer) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _engine(llm: LLM, options: ServeOptions, cache_dir: Path | None) -> Engine:
+    return Engine(
+        llm.context,
+        llm.tokenizer,
+        prompt_cache=not options.no_prompt_cache,
+        max_prompt_tokens=options.max_prompt_tokens,
+        max_tokens_limit=options.max_tokens_limit,
+        cache_bytes=0 if options.no_prompt_cache else options.cache_ram << 20,
+        checkpoint_interval=options.checkpoint_interval,
+        checkpoint_codec=options.checkpoint_codec,
+        cache_dir=None if options.no_prompt_cache else cache_dir,
+        cache_disk_bytes=options.cache_disk << 20,
+        prefill_cap=options.prefill_cap,
+    )
