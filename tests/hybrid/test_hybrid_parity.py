@@ -190,3 +190,29 @@ def test_session_file_round_trip(model, arch: str, fx: dict) -> None:
     assert other.memory.state_write(-1) == ctx.memory.state_write(-1)
     other.decode(Batch(CONT, logits=[True] * 3))
     _close(other.logits, _npy(arch, "logits-continuation-f32.npy"))
+
+
+@pytest.mark.parametrize("n_ubatch", [1, 5])
+def test_chunked_prefill_matches_transformers(model, arch: str, fx: dict, n_ubatch: int) -> None:
+    """The prompt in micro-batches of ``n_ubatch`` tokens, against transformers' full forward (fp32)."""
+    PROMPT, CONT = fx["prompt"], fx["continuation"]
+    ctx = _ctx(model, n_ubatch=n_ubatch)
+    ctx.decode(Batch(PROMPT + CONT, logits=[True] * (len(PROMPT) + len(CONT))))
+    want = torch.cat([_npy(arch, "ref-logits-prompt.npy"), _npy(arch, "ref-logits-continuation.npy")])
+    _close(ctx.logits, want)
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_four_sequences_in_one_batch_match_transformers(model, arch: str, fx: dict, unified: bool) -> None:
+    """Four prefixes of the prompt in one batch (equal split: micro-batches of one token per sequence at
+    the end), each against transformers' logits of the same prefix."""
+    PROMPT = fx["prompt"]
+    want = _npy(arch, "ref-logits-prompt.npy")
+    lengths = {0: 12, 1: 3, 2: 9, 3: 6}
+    ctx = _ctx(model, n_seq_max=4, n_ctx=1024, kv_unified=unified)
+    ctx.decode(Batch.from_sequences({s: PROMPT[:n] for s, n in lengths.items()}, all_logits=True))
+    row = 0
+    for n in lengths.values():
+        _close(ctx.logits[row : row + n], want[:n])
+        row += n
+    ctx.memory.check_invariants()
