@@ -126,13 +126,13 @@ class CheckpointCache:
         from_disk = self._from_disk(prompt, limit, max(in_ram, at_least))
         if from_disk is not None:
             n, ckpt = from_disk
-            self.stats.disk_restores += 1
         else:
             self.tree.match(prompt, max_len=limit)  # counts the hit or the miss
             if found is None or in_ram <= at_least:
                 return 0
             n, ckpt = in_ram, found.payload
         checkpoint.restore(self.memory, ckpt, seq)
+        self.stats.disk_restores += from_disk is not None
         self.stats.restored += 1
         self.stats.restored_tokens += n
         return n

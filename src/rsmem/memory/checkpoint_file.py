@@ -114,7 +114,8 @@ def token_digest(tokens: Sequence[int]) -> bytes:
 def model_fingerprint(model: object, layout: Layout) -> bytes:
     """32 bytes that differ between models whose checkpoints must not mix: the architecture, sizes and
     compute dtype, the memory's layout, and 4096 evenly spaced values of the embedding and of the final
-    norm (wrappers with ``inner``, such as ``FaultyModel``, are seen through)."""
+    norm when the model has them (else its sizes alone); wrappers with ``inner``, such as ``FaultyModel``,
+    are seen through."""
     while hasattr(model, "inner"):
         model = model.inner
     h = hashlib.sha256()
