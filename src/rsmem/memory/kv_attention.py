@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
 from rsmem.memory.context import MemoryStatus
-from rsmem.memory.kv_cells import SlotInfo
+from rsmem.memory.kv_cells import SlotInfo, visible
 
 if TYPE_CHECKING:
     from rsmem.memory.kv_cache import KVCache
@@ -82,14 +82,10 @@ class KVCacheContext:
         ub, n_kv, n = self.ubatch, self.n_kv(), self.sinfo.n_per_group
         masks = []
         for g, (st, _) in enumerate(self.sinfo.groups):
-            cells = self.cache.streams[st]
             tokens = range(g * n, (g + 1) * n)
-            seqs = sorted({ub.seq_ids[t][0] for t in tokens})
-            member = torch.tensor([[s in cells.seqs[j] for j in range(n_kv)] for s in seqs], dtype=torch.bool)
-            which = torch.tensor([seqs.index(ub.seq_ids[t][0]) for t in tokens], dtype=torch.long)
-            cell_pos = torch.tensor(cells.pos[:n_kv], dtype=torch.long)
-            tok_pos = torch.tensor([ub.pos[t] for t in tokens], dtype=torch.long)
-            masks.append(member[which] & (cell_pos >= 0) & (cell_pos[None, :] <= tok_pos[:, None]))
+            seqs = [ub.seq_ids[t][0] for t in tokens]
+            pos = [ub.pos[t] for t in tokens]
+            masks.append(visible(self.cache.streams[st], n_kv, seqs, pos, self.cache.device))
         self._mask = torch.stack(masks).to(self.cache.device)
         return self._mask
 
@@ -134,10 +130,7 @@ def attend_stored(
     st = cache.stream_of(seq_id)
     cells = cache.streams[st]
     n_kv = cells.used_max_p1()
-    member = torch.tensor([seq_id in cells.seqs[j] for j in range(n_kv)], dtype=torch.bool)
-    cell_pos = torch.tensor(cells.pos[:n_kv], dtype=torch.long)
-    tok_pos = torch.tensor(pos, dtype=torch.long)
-    mask = (member & (cell_pos >= 0))[None, :] & (cell_pos[None, :] <= tok_pos[:, None])
+    mask = visible(cells, n_kv, [seq_id] * len(pos), pos, q.device)
     keys, values = cache.k_l[il][st, :n_kv].to(q.dtype), cache.v_l[il][st, :n_kv].to(q.dtype)
     n_head, d_k = q.shape[1], q.shape[2]
     d_k_all, d_v_all = keys.shape[-1], values.shape[-1]

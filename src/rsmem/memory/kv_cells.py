@@ -8,13 +8,16 @@ last re-rotated (the K-shift a RoPE model applies before its next step).
 
 ``seq_pos[s]`` lists the positions of sequence ``s``, sorted, one entry per cell (a position can occur
 twice), so ``seq_pos_min`` / ``seq_pos_max`` are O(1). The invariant kept by every method: ``p`` occurs in
-``seq_pos[s]`` as often as there are non-empty cells with ``pos == p`` and ``s in seqs``.
+``seq_pos[s]`` as often as there are non-empty cells with ``pos == p`` and ``s in seqs``. ``bits[i]`` is
+``seqs[i]`` as a bit mask (bit ``s`` for sequence ``s``), from which attention masks are built as tensors.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+
+import torch
 
 CellRecord = tuple[int, frozenset[int], int]  # pos, seqs, shift of one cell (see snapshot / restore)
 
@@ -39,6 +42,7 @@ class KVCells:
     pos: list[int] = field(default_factory=list)
     seqs: list[set[int]] = field(default_factory=list)
     shift: list[int] = field(default_factory=list)
+    bits: list[int] = field(default_factory=list)
     seq_pos: dict[int, list[int]] = field(default_factory=dict)
     n_used: int = 0
 
@@ -50,6 +54,7 @@ class KVCells:
         self.pos = [-1] * self.size
         self.seqs = [set() for _ in range(self.size)]
         self.shift = [0] * self.size
+        self.bits = [0] * self.size
         self.seq_pos = {}
         self.n_used = 0
 
@@ -59,6 +64,7 @@ class KVCells:
             pos=list(self.pos),
             seqs=[set(s) for s in self.seqs],
             shift=list(self.shift),
+            bits=list(self.bits),
             seq_pos={s: list(p) for s, p in self.seq_pos.items()},
             n_used=self.n_used,
         )
@@ -107,6 +113,7 @@ class KVCells:
         self.pos[i] = pos
         self.seqs[i] = set(seqs)
         self.shift[i] = 0
+        self.bits[i] = sum(1 << s for s in seqs)
         self.n_used += 1
         for s in seqs:
             self._index(s, pos)
@@ -118,11 +125,13 @@ class KVCells:
         self.pos[i] = -1
         self.seqs[i] = set()
         self.shift[i] = 0
+        self.bits[i] = 0
         self.n_used -= 1
 
     def seq_rm(self, i: int, seq: int) -> bool:
         """Remove ``seq`` from cell ``i`` (which holds it); True if the cell became empty."""
         self.seqs[i].discard(seq)
+        self.bits[i] &= ~(1 << seq)
         self._unindex(seq, self.pos[i])
         if self.seqs[i]:
             return False
@@ -135,6 +144,7 @@ class KVCells:
         """Let ``seq`` see non-empty cell ``i`` too."""
         if seq not in self.seqs[i]:
             self.seqs[i].add(seq)
+            self.bits[i] |= 1 << seq
             self._index(seq, self.pos[i])
 
     def seq_keep(self, i: int, seq: int) -> bool:
@@ -145,6 +155,7 @@ class KVCells:
             for s in self.seqs[i] - {seq}:
                 self._unindex(s, self.pos[i])
             self.seqs[i] = {seq}
+            self.bits[i] = 1 << seq
             return False
         self.rm(i)
         return True
@@ -160,6 +171,7 @@ class KVCells:
             self.pos[i] = -1
             self.seqs[i] = set()
             self.shift[i] = 0
+            self.bits[i] = 0
             self.n_used -= 1
             return True
         for s in self.seqs[i]:
@@ -209,3 +221,20 @@ class KVCells:
             lst.sort()
         assert expected == self.seq_pos, f"seq_pos {self.seq_pos} != cells {expected}"
         assert self.n_used == sum(p >= 0 for p in self.pos), "n_used is out of step"
+        assert self.bits == [sum(1 << s for s in seqs) for seqs in self.seqs], "bits are out of step"
+
+
+def visible(cells: KVCells, n_kv: int, seqs: list[int], pos: list[int], device: torch.device) -> torch.Tensor:
+    """``[len(seqs), n_kv]`` bool: the token of sequence ``seqs[t]`` at position ``pos[t]`` may attend to
+    cell ``j`` (it holds that sequence at a position not after the token's): llama.cpp's causal KQ mask."""
+    cell_pos = torch.tensor(cells.pos[:n_kv], dtype=torch.long)
+    tok_pos = torch.tensor(pos, dtype=torch.long)
+    if max(seqs, default=0) < 63:
+        bits = torch.tensor(cells.bits[:n_kv], dtype=torch.long)
+        member = (bits[None, :] >> torch.tensor(seqs, dtype=torch.long)[:, None]) & 1 == 1
+    else:  # bit masks beyond int64: one row per distinct sequence
+        rows = {
+            s: torch.tensor([s in cells.seqs[j] for j in range(n_kv)], dtype=torch.bool) for s in set(seqs)
+        }
+        member = torch.stack([rows[s] for s in seqs]) if seqs else torch.zeros(0, n_kv, dtype=torch.bool)
+    return (member & (cell_pos[None, :] >= 0) & (cell_pos[None, :] <= tok_pos[:, None])).to(device)
