@@ -259,3 +259,17 @@ def test_attention_matches_a_plain_causal_softmax() -> None:
             w = torch.softmax(torch.stack([q[t, h] @ k[j, kv] * 0.5 for j in keys]), 0)
             want = sum(w[i] * v[j, kv] for i, j in enumerate(keys))
             torch.testing.assert_close(out[t, h], want)
+
+
+def test_masks_beyond_62_sequences() -> None:
+    """Bit masks hold 62 sequences; ids above use the sets (same masks)."""
+    cache = KVCache({0: (2, 2)}, 16, 70, unified=True)
+    masks = decode(cache, {3: 2, 65: 3, 69: 1})
+    assert masks is not None
+    ub, _, mask = masks[0]
+    for t in range(ub.n_tokens):
+        seq, p = ub.seq_ids[t][0], ub.pos[t]
+        cells = cache.streams[0]
+        seen = sorted(cells.pos[j] for j in range(mask.shape[-1]) if mask[0, t, j] and seq in cells.seqs[j])
+        assert int(mask[0, t].sum()) == len(seen) == p + 1
+    cache.check_invariants()
