@@ -19,7 +19,7 @@ from rsmem.models.mamba import MambaConfig, MambaLayer, MambaModel, MambaWeights
 from rsmem.models.mamba2 import Mamba2Config, Mamba2Layer, Mamba2Model, Mamba2Weights
 from rsmem.models.nemotron_h import NemotronHModel
 
-SUPPORTED_ARCHS = ("mamba", "mamba2", "lfm2", "nemotron_h")
+SUPPORTED_ARCHS = ("mamba", "mamba2", "lfm2", "nemotron_h", "rwkv7")
 T = gguf.MODEL_TENSOR
 
 
@@ -74,6 +74,10 @@ def build_model(
 
     if ckpt.arch in HYBRID_ARCHS:
         return build_hybrid(ckpt)
+    from rsmem.loaders.rwkv import RWKV_ARCHS, build_rwkv  # it imports this module's Checkpoint
+
+    if ckpt.arch in RWKV_ARCHS:
+        return build_rwkv(ckpt)  # type: ignore[return-value]
     raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
 
 

@@ -13,11 +13,14 @@ import torch
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.checkpoint import SUPPORTED_ARCHS, Checkpoint, tensor_name
 from rsmem.loaders.hybrid import HYBRID_ARCHS, config_from_gguf
+from rsmem.loaders.rwkv import RWKV_ARCHS
+from rsmem.loaders.rwkv import config_from_gguf as rwkv_config_from_gguf
 from rsmem.loaders.tokenizer import tokenizer_data_from_gguf
 from rsmem.models.lfm2 import Lfm2Config
 from rsmem.models.mamba import MambaConfig
 from rsmem.models.mamba2 import Mamba2Config
 from rsmem.models.nemotron_h import NemotronHConfig
+from rsmem.models.rwkv7 import Rwkv7Config
 
 SUPPORTED_TYPES = {
     gguf.GGMLQuantizationType.F32,
@@ -55,7 +58,7 @@ def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     # Checkpoint.config names the Mamba configs (convert.py reads their fields); a hybrid's rides along
     config: Any = (
         _hybrid_config(reader, str(arch), emb.shape[0], path)
-        if arch in HYBRID_ARCHS
+        if arch in HYBRID_ARCHS or arch in RWKV_ARCHS
         else _config(reader, str(arch), emb.shape[0], path)
     )
     return Checkpoint(
@@ -106,13 +109,14 @@ def _config(reader: gguf.GGUFReader, arch: str, n_vocab: int, path: Path) -> Mam
 
 def _hybrid_config(
     reader: gguf.GGUFReader, arch: str, n_vocab: int, path: Path
-) -> Lfm2Config | NemotronHConfig:
+) -> Lfm2Config | NemotronHConfig | Rwkv7Config:
     def optional(k: str) -> object | None:
         field = reader.fields.get(f"{arch}.{k}")
         return None if field is None else field.contents()
 
+    get_config = rwkv_config_from_gguf if arch in RWKV_ARCHS else config_from_gguf
     try:
-        return config_from_gguf(arch, lambda k: _value(reader, f"{arch}.{k}", path), n_vocab, optional)
+        return get_config(arch, lambda k: _value(reader, f"{arch}.{k}", path), n_vocab, optional)
     except ModelFormatError as exc:
         raise ModelFormatError(f"{path}: {exc}") from exc
 

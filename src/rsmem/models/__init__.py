@@ -3,6 +3,7 @@
 from rsmem.models.mamba import MambaConfig, MambaModel
 from rsmem.models.mamba2 import Mamba2Config, Mamba2Model
 from rsmem.models.protocol import RecurrentModel, StateAccess
+from rsmem.models.rwkv7 import Rwkv7Config, Rwkv7Model
 from rsmem.models.toy import DecayedSumModel
 
 __all__ = [
@@ -12,5 +13,7 @@ __all__ = [
     "MambaConfig",
     "MambaModel",
     "RecurrentModel",
+    "Rwkv7Config",
+    "Rwkv7Model",
     "StateAccess",
 ]

@@ -1,0 +1,120 @@
+"""The RWKV-7 WKV recurrence (a diagonal-plus-rank-one state transition): one-token step, chunked prefill
+and the per-token reference twin.
+
+Per head, with the state ``S`` ``[V, K]`` (llama.cpp's and the ``rwkv`` package's layout, ``[H, V, K]`` per
+sequence), for each token:
+
+    S = S @ (diag(w) + a b^T) + v k^T        y = S r
+
+``w`` is the decay (``exp(log_w)``, ``log_w`` in ``[-exp(-0.5), 0]`` for RWKV-7), ``a = -kk`` and
+``b = kk * iclr``. Inputs are ``[Bs, L, H, N]`` (``N`` the head size), states ``[Bs, H, N, N]``; the
+kernels update the state in place and return ``y`` ``[Bs, L, H, N]``.
+
+The chunked form (within a chunk of ``T`` tokens, ``c_t`` the cumulative log-decay up to token ``t``):
+the term ``sa_t = S_{t-1} a_t`` of every token solves one unit lower-triangular system
+
+    sa_t = S_0 (a_t e^{c_{t-1}})
+           + sum_{s<t} [a_t . (b_s e^{c_{t-1}-c_s})] sa_s + [a_t . (k_s e^{c_{t-1}-c_s})] v_s
+
+after which the outputs and the chunk's final state are products of ``[T, T]`` and ``[T, N]`` matrices, as in
+a gated linear attention. Decays between two tokens are factored through the chunk's middle, so their
+exponents stay within half a chunk's total decay (``T = 64``: ``e^{+-19.5}``, well inside float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def wkv7_step_(
+    state: torch.Tensor,
+    r: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+) -> torch.Tensor:
+    """One token of each sequence: ``r, w, k, v, a, b`` ``[Bs, H, N]`` (``w`` the decay itself); updates
+    ``state`` ``[Bs, H, N, N]`` in place and returns ``y`` ``[Bs, H, N]``."""
+    sa = torch.matmul(state, a.unsqueeze(-1))  # [Bs, H, V, 1]
+    state.mul_(w.unsqueeze(-2)).add_(sa * b.unsqueeze(-2)).add_(v.unsqueeze(-1) * k.unsqueeze(-2))
+    return torch.matmul(state, r.unsqueeze(-1)).squeeze(-1)
+
+
+def wkv7_ref_(
+    state: torch.Tensor,
+    r: torch.Tensor,
+    log_w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+) -> torch.Tensor:
+    """Token-by-token twin of :func:`wkv7_chunked_` (inputs ``[Bs, L, H, N]``)."""
+    w = torch.exp(log_w)
+    ys = [wkv7_step_(state, r[:, t], w[:, t], k[:, t], v[:, t], a[:, t], b[:, t]) for t in range(r.shape[1])]
+    return torch.stack(ys, dim=1)
+
+
+def _chunks(x: torch.Tensor, n_chunks: int, size: int) -> torch.Tensor:
+    """``[Bs, L, H, N]`` -> ``[Bs, H, n_chunks, size, N]``, zero-padded at the end."""
+    bs, length, h, n = x.shape
+    x = F.pad(x, (0, 0, 0, 0, 0, n_chunks * size - length))
+    return x.view(bs, n_chunks, size, h, n).permute(0, 3, 1, 2, 4)
+
+
+def wkv7_chunked_(
+    state: torch.Tensor,
+    r: torch.Tensor,
+    log_w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """The recurrence over ``L`` tokens, parallel within chunks of ``chunk_size``: ``r, log_w, k, v, a, b``
+    ``[Bs, L, H, N]``; updates ``state`` ``[Bs, H, N, N]`` in place and returns ``y`` ``[Bs, L, H, N]``.
+
+    Padding tokens (``k = v = a = b = 0``, no decay) leave the state unchanged."""
+    bs, length, h, n = r.shape
+    size = min(chunk_size, length)
+    n_chunks = -(-length // size)
+    rc, kc, vc, ac, bc = (_chunks(t, n_chunks, size) for t in (r, k, v, a, b))  # [Bs, H, C, T, N]
+    c = _chunks(log_w, n_chunks, size).cumsum(dim=-2)  # c_t, inclusive
+    c_prev = c - _chunks(log_w, n_chunks, size)  # c_{t-1}
+    mid = c[..., size // 2 : size // 2 + 1, :]  # reference point: exponents stay within half a chunk
+    last = c[..., -1:, :]
+    a_dec = ac * torch.exp(c_prev - mid)
+    r_dec = rc * torch.exp(c - mid)
+    b_inv = bc * torch.exp(mid - c)
+    k_inv = kc * torch.exp(mid - c)
+    strict = torch.ones(size, size, dtype=torch.bool).tril(-1)
+    incl = torch.ones(size, size, dtype=torch.bool).tril(0)
+    a_ab = (a_dec @ b_inv.transpose(-1, -2)).masked_fill(~strict, 0.0)  # [Bs, H, C, T, T]
+    a_ak = (a_dec @ k_inv.transpose(-1, -2)).masked_fill(~strict, 0.0)
+    a_rb = (r_dec @ b_inv.transpose(-1, -2)).masked_fill(~incl, 0.0)
+    a_rk = (r_dec @ k_inv.transpose(-1, -2)).masked_fill(~incl, 0.0)
+    eye = torch.eye(size, dtype=r.dtype)
+    solver = torch.linalg.solve_triangular(eye - a_ab, eye.expand_as(a_ab), upper=False, unitriangular=True)
+    a_start = ac * torch.exp(c_prev)  # a_t e^{c_{t-1}}: reads the chunk's initial state
+    r_start = rc * torch.exp(c)
+    b_end = bc * torch.exp(last - c)  # b_s e^{c_T - c_s}: carries into the chunk's final state
+    k_end = kc * torch.exp(last - c)
+    decay_all = torch.exp(last).squeeze(-2)  # [Bs, H, C, N]
+    ak_v = a_ak @ vc  # [Bs, H, C, T, V]
+    rk_v = a_rk @ vc
+    kv_end = vc.transpose(-1, -2) @ k_end  # [Bs, H, C, V, K]
+    ys = []
+    for i in range(n_chunks):
+        s_t = state.transpose(-1, -2)  # [Bs, H, K, V]
+        sa = solver[:, :, i] @ (a_start[:, :, i] @ s_t + ak_v[:, :, i])  # [Bs, H, T, V]
+        ys.append(r_start[:, :, i] @ s_t + a_rb[:, :, i] @ sa + rk_v[:, :, i])
+        new = (
+            state * decay_all[:, :, i].unsqueeze(-2) + sa.transpose(-1, -2) @ b_end[:, :, i] + kv_end[:, :, i]
+        )
+        state.copy_(new)
+    y = torch.stack(ys, dim=2)  # [Bs, H, C, T, V]
+    return y.permute(0, 2, 3, 1, 4).reshape(bs, n_chunks * size, h, n)[:, :length]

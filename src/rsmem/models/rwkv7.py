@@ -1,0 +1,211 @@
+"""RWKV-7 "Goose" (``x070``) on rsmem's recurrent memory, computed as llama.cpp's ``rwkv7`` graph.
+
+Per layer: ``x += time_mix(layer_norm(x))``, then ``x += channel_mix(layer_norm(x))``. Both mixes read
+the previous token's normed input (the "token shift"). States per sequence and layer, as llama.cpp lays
+them out: ``r`` = the two token-shift vectors ``[2, n_embd]`` (after the time-mix norm, then after the
+channel-mix norm), ``s`` = the WKV state ``[H, V, K]`` (``n_embd * head_size`` floats).
+
+The time mix: six lerps of the input with its shift (``r, w, k, v, a, g``), the receptance/key/value
+projections, low-rank decay ``w``, in-context learning rate ``a``, value-residual mix (layers after the
+first blend their values with the first layer's) and gate ``g``; the WKV recurrence
+(:mod:`rsmem.models.ops.wkv`), a per-head group norm (eps 64e-5), the ``r_k`` bonus, gate and output.
+The channel mix: one lerp, ``relu(key x)^2``, value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from rsmem.batch.batch import UBatch
+from rsmem.models.ops.common import output_rows
+from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_step_
+from rsmem.models.protocol import StateAccess
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+GROUP_NORM_EPS = 64e-5  # the time mix's per-head norm, fixed in llama.cpp and the rwkv package
+DECAY_SCALE = 0.606531  # exp(-0.5): w = exp(-DECAY_SCALE * sigmoid(w0 + lora(x)))
+
+
+@dataclass(frozen=True, slots=True)
+class Rwkv7Config:
+    """Hyperparameters as llama.cpp's GGUF keys hold them; ``d_ff`` 0 means ``4 * d_model``."""
+
+    d_model: int
+    n_layer: int
+    n_vocab: int
+    head_size: int = 64
+    d_ff: int = 0
+    n_lora_decay: int = 64
+    n_lora_iclr: int = 64
+    n_lora_value_res_mix: int = 32
+    n_lora_gate: int = 128
+    eps: float = 1e-5  # the layer norms'
+    chunk_size: int = 64  # WKV chunk length for prefill
+
+    def __post_init__(self) -> None:
+        if self.d_ff == 0:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        if self.head_size < 1 or self.d_model % self.head_size:
+            raise ValueError(f"d_model must split into heads of head_size: {self}")
+
+    @property
+    def n_head(self) -> int:
+        return self.d_model // self.head_size
+
+
+@dataclass(slots=True)
+class Rwkv7Layer:
+    """One block's weights in llama.cpp's form; matrices ``[out, in]``, vectors ``[n_embd]``."""
+
+    attn_norm: torch.Tensor
+    attn_norm_b: torch.Tensor
+    ffn_norm: torch.Tensor  # llama.cpp's attn_norm_2
+    ffn_norm_b: torch.Tensor
+    lerp: torch.Tensor  # [6, n_embd]: r, w, k, v, a, g (time_mix_lerp_fused)
+    w0: torch.Tensor
+    w1: torch.Tensor  # [n_lora_decay, n_embd]
+    w2: torch.Tensor  # [n_embd, n_lora_decay]
+    a0: torch.Tensor
+    a1: torch.Tensor
+    a2: torch.Tensor
+    g1: torch.Tensor
+    g2: torch.Tensor
+    k_k: torch.Tensor
+    k_a: torch.Tensor
+    r_k: torch.Tensor  # [n_embd]: [H, N] flattened
+    receptance: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    output: torch.Tensor
+    ln_x: torch.Tensor
+    ln_x_b: torch.Tensor
+    ffn_lerp_k: torch.Tensor
+    ffn_key: torch.Tensor  # [d_ff, n_embd]
+    ffn_value: torch.Tensor  # [n_embd, d_ff]
+    v0: torch.Tensor | None = None  # the value-residual mix; None in the first layer (unused there)
+    v1: torch.Tensor | None = None
+    v2: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class Rwkv7Weights:
+    embedding: torch.Tensor  # [n_vocab, n_embd]
+    emb_norm: torch.Tensor  # token_embd_norm (the checkpoints' blocks.0.ln0)
+    emb_norm_b: torch.Tensor
+    layers: list[Rwkv7Layer]
+    norm_f: torch.Tensor
+    norm_f_b: torch.Tensor
+    lm_head: torch.Tensor  # [n_vocab, n_embd]
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(torch.float32).contiguous()
+
+
+def token_shift(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The previous token's rows: ``x`` ``[Bs, L, C]`` shifted by one, ``last`` ``[Bs, C]`` first."""
+    return torch.cat([last.unsqueeze(1), x[:, :-1]], dim=1)
+
+
+class Rwkv7Model:
+    """An RWKV-7 language model implementing :class:`~rsmem.models.protocol.RecurrentModel` (float32)."""
+
+    arch = "rwkv7"
+    compile_decode = False
+
+    def __init__(self, config: Rwkv7Config, weights: Rwkv7Weights) -> None:
+        self.config = config
+        self.n_vocab = config.n_vocab
+        self.n_layer = config.n_layer
+        self.n_embd_r = 2 * config.d_model
+        self.n_embd_s = config.d_model * config.head_size
+        self.tokenizer: Tokenizer | None = None  # set by the loaders when the file carries one
+        self.embedding = weights.embedding.to(torch.float32).contiguous()
+        self.emb_norm = weights.emb_norm.to(torch.float32)
+        self.emb_norm_b = weights.emb_norm_b.to(torch.float32)
+        self.norm_f = weights.norm_f.to(torch.float32)
+        self.norm_f_b = weights.norm_f_b.to(torch.float32)
+        self.lm_head = weights.lm_head.to(torch.float32).contiguous()
+        self.layers = [
+            Rwkv7Layer(**{name: _f32(getattr(ly, name)) for name in Rwkv7Layer.__slots__})  # type: ignore[arg-type]
+            for ly in weights.layers
+        ]
+
+    def is_recurrent_layer(self, il: int) -> bool:
+        return True
+
+    def set_compile(self, setting: object) -> bool:
+        return False
+
+    def warm_up(self) -> float:
+        return 0.0
+
+    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
+        """Logits of the micro-batch's output tokens; reads and writes each layer's states."""
+        cfg = self.config
+        tokens = ubatch.token_tensor()  # [Bs, L]
+        n_seqs = tokens.shape[0]
+        c = cfg.d_model
+        x = F.layer_norm(self.embedding[tokens], (c,), self.emb_norm, self.emb_norm_b, cfg.eps)
+        v_first: torch.Tensor | None = None
+        for il, ly in enumerate(self.layers):
+            r_rows, s_rows = states.read_states(il)
+            shift = r_rows.view(n_seqs, 2, c).float()
+            wkv = s_rows.view(n_seqs, cfg.n_head, cfg.head_size, cfg.head_size)
+            wkv = wkv if wkv.dtype == torch.float32 else wkv.float()
+            h = F.layer_norm(x, (c,), ly.attn_norm, ly.attn_norm_b, cfg.eps)
+            out, v_first = self.time_mix(ly, h, token_shift(h, shift[:, 0]), wkv, v_first)
+            x = x + out
+            f = F.layer_norm(x, (c,), ly.ffn_norm, ly.ffn_norm_b, cfg.eps)
+            x = x + self.channel_mix(ly, f, token_shift(f, shift[:, 1]))
+            states.write_states(il, torch.stack([h[:, -1], f[:, -1]], dim=1), wkv)
+        x = output_rows(x, ubatch.output_rows())
+        x = F.layer_norm(x, (c,), self.norm_f, self.norm_f_b, cfg.eps)
+        return F.linear(x, self.lm_head)
+
+    def time_mix(
+        self,
+        ly: Rwkv7Layer,
+        x: torch.Tensor,
+        prev: torch.Tensor,
+        wkv: torch.Tensor,
+        v_first: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``, ``prev`` ``[Bs, L, C]``; updates ``wkv`` in place; returns the output and the first layer's
+        values (``v_first``: None in the first layer, which sets it)."""
+        cfg = self.config
+        n_seqs, n_tokens, c = x.shape
+        heads = (n_seqs, n_tokens, cfg.n_head, cfg.head_size)
+        xr, xw, xk, xv, xa, xg = (x + (prev - x) * ly.lerp.view(6, 1, 1, c)).unbind(0)
+        r = F.linear(xr, ly.receptance)
+        log_w = -DECAY_SCALE * torch.sigmoid(ly.w0 + F.linear(torch.tanh(F.linear(xw, ly.w1)), ly.w2))
+        k = F.linear(xk, ly.key)
+        v = F.linear(xv, ly.value)
+        if v_first is None:
+            v_first = v
+        else:
+            assert ly.v0 is not None and ly.v1 is not None and ly.v2 is not None
+            v = v + (v_first - v) * torch.sigmoid(ly.v0 + F.linear(F.linear(xv, ly.v1), ly.v2))
+        a = torch.sigmoid(ly.a0 + F.linear(F.linear(xa, ly.a1), ly.a2))
+        g = F.linear(torch.sigmoid(F.linear(xg, ly.g1)), ly.g2)
+        kk = F.normalize((k * ly.k_k).view(heads), dim=-1, p=2.0, eps=1e-12)
+        k = k * (1 + (a - 1) * ly.k_a)
+        rh, kh, vh, ah = (t.view(heads) for t in (r, k, v, a))
+        if n_tokens == 1:
+            y = wkv7_step_(wkv, rh[:, 0], log_w.view(heads)[:, 0].exp(), kh[:, 0], vh[:, 0], -kk[:, 0],
+                           (kk * ah)[:, 0]).unsqueeze(1)  # fmt: skip
+        else:
+            y = wkv7_chunked_(wkv, rh, log_w.view(heads), kh, vh, -kk, kk * ah, cfg.chunk_size)
+        y = F.group_norm(y.reshape(-1, c), cfg.n_head, ly.ln_x, ly.ln_x_b, GROUP_NORM_EPS).view(heads)
+        y = y + (rh * kh * ly.r_k.view(cfg.n_head, cfg.head_size)).sum(-1, keepdim=True) * vh
+        return F.linear(y.reshape(n_seqs, n_tokens, c) * g, ly.output), v_first
+
+    def channel_mix(self, ly: Rwkv7Layer, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        k = torch.relu(F.linear(x + (prev - x) * ly.ffn_lerp_k, ly.ffn_key)).square()
+        return F.linear(k, ly.ffn_value)
