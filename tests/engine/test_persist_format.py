@@ -152,3 +152,17 @@ def test_the_fingerprint_samples_large_embeddings_and_tells_models_apart():
     other = SimpleNamespace(arch="mamba", n_vocab=50280, embedding=torch.ones(1).expand(n))
     assert cf.model_fingerprint(big, layout) != cf.model_fingerprint(other, layout)
     assert cf.model_fingerprint(SimpleNamespace(inner=big), layout) == cf.model_fingerprint(big, layout)
+
+
+def test_the_fingerprint_sees_a_change_in_one_layer_matrix():
+    from rsmem.models import Mamba2Config
+    from rsmem.models.random_init import random_mamba2
+
+    cfg = Mamba2Config(d_model=32, n_layer=2, n_vocab=64, d_state=8, n_head=4, n_group=2, chunk_size=4)
+    model = random_mamba2(cfg, seed=3)
+    layout = cf.Layout.of(RecurrentMemory(StateShape(2, model.n_embd_r, model.n_embd_s), 1))
+    before = cf.model_fingerprint(model, layout)
+    assert cf.model_fingerprint(random_mamba2(cfg, seed=3), layout) == before
+    with torch.no_grad():
+        model.layers[1].out_proj.add_(1.0)
+    assert cf.model_fingerprint(model, layout) != before

@@ -113,26 +113,33 @@ def token_digest(tokens: Sequence[int]) -> bytes:
 
 def model_fingerprint(model: object, layout: Layout) -> bytes:
     """32 bytes that differ between models whose checkpoints must not mix: the architecture, sizes and
-    compute dtype, the memory's layout, and 4096 evenly spaced values of the embedding and of the final
-    norm when the model has them (else its sizes alone); wrappers with ``inner``, such as ``FaultyModel``,
-    are seen through."""
+    compute dtype, the memory's layout, and a grid of values sampled from the embedding, the final norm
+    and every layer's matrices (``model.matrices`` of ``model.layers``) where the model has them (else
+    its sizes alone); wrappers with ``inner``, such as ``FaultyModel``, are seen through."""
     while hasattr(model, "inner"):
         model = model.inner
     h = hashlib.sha256()
     names = ("arch", "n_vocab", "n_layer", "n_embd_r", "n_embd_s", "dtype")
     h.update("|".join(f"{n}={getattr(model, n, None)}" for n in names).encode())
     h.update(layout.pack())
-    for name in ("embedding", "norm_f"):
-        t = getattr(model, name, None)
+    tensors = [(name, getattr(model, name, None)) for name in ("embedding", "norm_f")]
+    for il, layer in enumerate(getattr(model, "layers", None) or ()):
+        tensors += [(f"{il}.{name}", getattr(layer, name, None)) for name in getattr(model, "matrices", ())]
+    for name, t in tensors:
         if isinstance(t, torch.Tensor) and t.numel():
-            flat = t.detach().reshape(-1)
-            k = min(
-                flat.numel(), 4096
-            )  # integer steps: a float linspace rounds past the end of large tensors
-            idx = torch.arange(k, dtype=torch.int64) * (flat.numel() - 1) // max(k - 1, 1)
             h.update(f"{name}{tuple(t.shape)}".encode())
-            h.update(flat[idx].to(torch.float32).cpu().numpy().tobytes())
+            h.update(_sample(t.detach()).to(torch.float32).cpu().numpy().tobytes())
     return h.digest()
+
+
+def _sample(t: torch.Tensor, k: int = 64) -> torch.Tensor:
+    """Up to ``k`` evenly spaced indices along each dimension (integer steps: a float linspace rounds past
+    the end of large tensors), gathered without copying the tensor (a held matrix may be a strided view)."""
+    idx = []
+    for size in t.shape:
+        n = min(size, k)
+        idx.append(torch.arange(n, dtype=torch.int64, device=t.device) * (size - 1) // max(n - 1, 1))
+    return t[torch.meshgrid(*idx, indexing="ij")] if idx else t
 
 
 # ---------------------------------------------------------------- writing
