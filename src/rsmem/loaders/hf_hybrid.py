@@ -11,8 +11,7 @@ import gguf
 import torch
 
 from rsmem.errors import ModelFormatError
-from rsmem.loaders.checkpoint import Checkpoint
-from rsmem.loaders.hybrid import _name
+from rsmem.loaders.checkpoint import Checkpoint, tensor_name
 from rsmem.loaders.tokenizer import tokenizer_data_from_hf
 from rsmem.models.lfm2 import Lfm2Config
 from rsmem.models.nemotron_h import ATTENTION, MAMBA, MLP, NemotronHConfig
@@ -55,11 +54,11 @@ NEMOTRON_H_NAMES = {
     "mixer.down_proj.weight": (T.FFN_DOWN, ".weight"),
 }
 GLOBAL_NAMES = {
-    "model.embed_tokens.weight": _name(T.TOKEN_EMBD),
-    "model.embedding_norm.weight": _name(T.TOKEN_EMBD_NORM),
-    "backbone.embeddings.weight": _name(T.TOKEN_EMBD),
-    "backbone.norm_f.weight": _name(T.OUTPUT_NORM),
-    "lm_head.weight": _name(T.OUTPUT),
+    "model.embed_tokens.weight": tensor_name(T.TOKEN_EMBD),
+    "model.embedding_norm.weight": tensor_name(T.TOKEN_EMBD_NORM),
+    "backbone.embeddings.weight": tensor_name(T.TOKEN_EMBD),
+    "backbone.norm_f.weight": tensor_name(T.OUTPUT_NORM),
+    "lm_head.weight": tensor_name(T.OUTPUT),
 }
 NEMOTRON_KINDS = {
     "mamba": MAMBA,
@@ -95,7 +94,7 @@ def hybrid_checkpoint(folder: Path, config: dict, raw: dict[str, torch.Tensor]) 
         if mapped is not None:
             tensors[mapped[0]] = mapped[1]
     if config.get("tie_word_embeddings", False):
-        tensors.pop(_name(T.OUTPUT), None)
+        tensors.pop(tensor_name(T.OUTPUT), None)
     return Checkpoint(
         arch=arch,
         config=cfg,  # type: ignore[arg-type]  # Checkpoint.config names the Mamba configs only
@@ -112,7 +111,7 @@ def _map_lfm2(bid: int, rest: str, t: torch.Tensor) -> tuple[str, torch.Tensor] 
         return None
     if kind == T.SHORTCONV_CONV:
         t = t.squeeze(1)  # [C, 1, K] -> [C, K]
-    return _name(kind, bid), t
+    return tensor_name(kind, bid), t
 
 
 def _map_nemotron_h(
@@ -131,7 +130,7 @@ def _map_nemotron_h(
         t = permute_qk(t, cfg.n_head)
     elif rest == "mixer.k_proj.weight":
         t = permute_qk(t, cfg.n_head_kv[bid])
-    return _name(kind, bid, suffix), t
+    return tensor_name(kind, bid, suffix), t
 
 
 def _lfm2_config(config: dict, raw: dict[str, torch.Tensor]) -> Lfm2Config:

@@ -7,11 +7,11 @@ for a missing key); ``build_hybrid(ckpt)`` makes the model from a :class:`Checkp
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import gguf
 
 from rsmem.errors import ModelFormatError
+from rsmem.loaders.checkpoint import Checkpoint, tensor_name
 from rsmem.models.lfm2 import Attention, Lfm2Config, Lfm2Layer, Lfm2Model, Lfm2Weights
 from rsmem.models.nemotron_h import (
     ATTENTION,
@@ -24,18 +24,10 @@ from rsmem.models.nemotron_h import (
     NemotronHWeights,
 )
 
-if TYPE_CHECKING:
-    from rsmem.loaders.checkpoint import Checkpoint
-
 HYBRID_ARCHS = ("lfm2", "nemotron_h")
 T = gguf.MODEL_TENSOR
 
 Key = Callable[[str], object]  # "{arch}.<key>" metadata value; raises ModelFormatError when missing
-
-
-def _name(kind: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".weight") -> str:
-    base = gguf.TENSOR_NAMES[kind]
-    return (base.format(bid=bid) if bid is not None else base) + suffix
 
 
 def _per_layer(value: object, n_layer: int, what: str) -> tuple[int, ...]:
@@ -130,38 +122,38 @@ def _lfm2(ckpt: Checkpoint) -> Lfm2Model:
     layers = []
     for b in range(cfg.n_layer):
         layer = Lfm2Layer(
-            attn_norm=ckpt.get(_name(T.ATTN_NORM, b), (d,)),
-            ffn_norm=ckpt.get(_name(T.FFN_NORM, b), (d,)),
-            ffn_gate=ckpt.get(_name(T.FFN_GATE, b), (f, d)),
-            ffn_up=ckpt.get(_name(T.FFN_UP, b), (f, d)),
-            ffn_down=ckpt.get(_name(T.FFN_DOWN, b), (d, f)),
+            attn_norm=ckpt.get(tensor_name(T.ATTN_NORM, b), (d,)),
+            ffn_norm=ckpt.get(tensor_name(T.FFN_NORM, b), (d,)),
+            ffn_gate=ckpt.get(tensor_name(T.FFN_GATE, b), (f, d)),
+            ffn_up=ckpt.get(tensor_name(T.FFN_UP, b), (f, d)),
+            ffn_down=ckpt.get(tensor_name(T.FFN_DOWN, b), (d, f)),
         )
         n_kv = cfg.n_head_kv[b]
         if n_kv:
             layer.attention = Attention(
-                wq=ckpt.get(_name(T.ATTN_Q, b), (cfg.n_head * hd, d)),
-                wk=ckpt.get(_name(T.ATTN_K, b), (n_kv * hd, d)),
-                wv=ckpt.get(_name(T.ATTN_V, b), (n_kv * hd, d)),
-                wo=ckpt.get(_name(T.ATTN_OUT, b), (d, cfg.n_head * hd)),
+                wq=ckpt.get(tensor_name(T.ATTN_Q, b), (cfg.n_head * hd, d)),
+                wk=ckpt.get(tensor_name(T.ATTN_K, b), (n_kv * hd, d)),
+                wv=ckpt.get(tensor_name(T.ATTN_V, b), (n_kv * hd, d)),
+                wo=ckpt.get(tensor_name(T.ATTN_OUT, b), (d, cfg.n_head * hd)),
                 n_head=cfg.n_head,
                 n_head_kv=n_kv,
                 head_dim=hd,
-                q_norm=ckpt.get(_name(T.ATTN_Q_NORM, b), (hd,)),
-                k_norm=ckpt.get(_name(T.ATTN_K_NORM, b), (hd,)),
+                q_norm=ckpt.get(tensor_name(T.ATTN_Q_NORM, b), (hd,)),
+                k_norm=ckpt.get(tensor_name(T.ATTN_K_NORM, b), (hd,)),
                 rope_base=cfg.rope_base,
                 n_rot=hd,
             )
         else:
-            layer.conv = ckpt.get(_name(T.SHORTCONV_CONV, b), (d, cfg.l_cache))
-            layer.conv_in = ckpt.get(_name(T.SHORTCONV_INPROJ, b), (3 * d, d))
-            layer.conv_out = ckpt.get(_name(T.SHORTCONV_OUTPROJ, b), (d, d))
+            layer.conv = ckpt.get(tensor_name(T.SHORTCONV_CONV, b), (d, cfg.l_cache))
+            layer.conv_in = ckpt.get(tensor_name(T.SHORTCONV_INPROJ, b), (3 * d, d))
+            layer.conv_out = ckpt.get(tensor_name(T.SHORTCONV_OUTPROJ, b), (d, d))
         layers.append(layer)
-    emb = ckpt.get(_name(T.TOKEN_EMBD), (cfg.n_vocab, d))
-    head = _name(T.OUTPUT)
+    emb = ckpt.get(tensor_name(T.TOKEN_EMBD), (cfg.n_vocab, d))
+    head = tensor_name(T.OUTPUT)
     weights = Lfm2Weights(
         embedding=emb,
         layers=layers,
-        norm_f=ckpt.get(_name(T.TOKEN_EMBD_NORM), (d,)),  # LFM2's output norm has this name in GGUF
+        norm_f=ckpt.get(tensor_name(T.TOKEN_EMBD_NORM), (d,)),  # LFM2's output norm has this name in GGUF
         lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
     )
     return Lfm2Model(cfg, weights)
@@ -173,43 +165,43 @@ def _nemotron_h(ckpt: Checkpoint) -> NemotronHModel:
     d, di, nh, hd = cfg.d_model, cfg.d_inner, cfg.n_ssm_head, cfg.head_dim
     layers = []
     for b, kind in enumerate(cfg.kinds):
-        layer = NemotronHLayer(norm=ckpt.get(_name(T.ATTN_NORM, b), (d,)))
+        layer = NemotronHLayer(norm=ckpt.get(tensor_name(T.ATTN_NORM, b), (d,)))
         if kind == MAMBA:
-            bias = _name(T.SSM_CONV1D, b, ".bias")
+            bias = tensor_name(T.SSM_CONV1D, b, ".bias")
             layer.mixer = Mamba2Mixer(
-                in_proj=ckpt.get(_name(T.SSM_IN, b), (di + cfg.conv_dim + nh, d)),
-                conv_weight=ckpt.get(_name(T.SSM_CONV1D, b), (cfg.conv_dim, cfg.d_conv)),
+                in_proj=ckpt.get(tensor_name(T.SSM_IN, b), (di + cfg.conv_dim + nh, d)),
+                conv_weight=ckpt.get(tensor_name(T.SSM_CONV1D, b), (cfg.conv_dim, cfg.d_conv)),
                 conv_bias=ckpt.get(bias, (cfg.conv_dim,)) if bias in ckpt.tensors else None,
-                dt_bias=ckpt.get(_name(T.SSM_DT, b, ".bias"), (nh,)),
-                A=ckpt.get(_name(T.SSM_A, b, ""), (nh,)),
-                D=ckpt.get(_name(T.SSM_D, b, ""), (nh,)),
-                ssm_norm=ckpt.get(_name(T.SSM_NORM, b), (di,)),
-                out_proj=ckpt.get(_name(T.SSM_OUT, b), (d, di)),
+                dt_bias=ckpt.get(tensor_name(T.SSM_DT, b, ".bias"), (nh,)),
+                A=ckpt.get(tensor_name(T.SSM_A, b, ""), (nh,)),
+                D=ckpt.get(tensor_name(T.SSM_D, b, ""), (nh,)),
+                ssm_norm=ckpt.get(tensor_name(T.SSM_NORM, b), (di,)),
+                out_proj=ckpt.get(tensor_name(T.SSM_OUT, b), (d, di)),
             )
         elif kind == ATTENTION:
             n_kv = cfg.n_head_kv[b]
-            for extra in (_name(T.ATTN_Q, b, ".bias"), _name(T.ATTN_OUT, b, ".bias")):
+            for extra in (tensor_name(T.ATTN_Q, b, ".bias"), tensor_name(T.ATTN_OUT, b, ".bias")):
                 if extra in ckpt.tensors:
                     raise ModelFormatError(f"{ckpt.source}: attention biases ({extra}) are not supported")
             layer.attention = Attention(
-                wq=ckpt.get(_name(T.ATTN_Q, b), (cfg.n_head * hd, d)),
-                wk=ckpt.get(_name(T.ATTN_K, b), (n_kv * hd, d)),
-                wv=ckpt.get(_name(T.ATTN_V, b), (n_kv * hd, d)),
-                wo=ckpt.get(_name(T.ATTN_OUT, b), (d, cfg.n_head * hd)),
+                wq=ckpt.get(tensor_name(T.ATTN_Q, b), (cfg.n_head * hd, d)),
+                wk=ckpt.get(tensor_name(T.ATTN_K, b), (n_kv * hd, d)),
+                wv=ckpt.get(tensor_name(T.ATTN_V, b), (n_kv * hd, d)),
+                wo=ckpt.get(tensor_name(T.ATTN_OUT, b), (d, cfg.n_head * hd)),
                 n_head=cfg.n_head,
                 n_head_kv=n_kv,
                 head_dim=hd,
             )
         else:
-            layer.ffn_up = ckpt.get(_name(T.FFN_UP, b), (cfg.d_ff[b], d))
-            layer.ffn_down = ckpt.get(_name(T.FFN_DOWN, b), (d, cfg.d_ff[b]))
+            layer.ffn_up = ckpt.get(tensor_name(T.FFN_UP, b), (cfg.d_ff[b], d))
+            layer.ffn_down = ckpt.get(tensor_name(T.FFN_DOWN, b), (d, cfg.d_ff[b]))
         layers.append(layer)
-    emb = ckpt.get(_name(T.TOKEN_EMBD), (cfg.n_vocab, d))
-    head = _name(T.OUTPUT)
+    emb = ckpt.get(tensor_name(T.TOKEN_EMBD), (cfg.n_vocab, d))
+    head = tensor_name(T.OUTPUT)
     weights = NemotronHWeights(
         embedding=emb,
         layers=layers,
-        norm_f=ckpt.get(_name(T.OUTPUT_NORM), (d,)),
+        norm_f=ckpt.get(tensor_name(T.OUTPUT_NORM), (d,)),
         lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
     )
     return NemotronHModel(cfg, weights)
