@@ -27,6 +27,19 @@ def test_plain_template():
     assert t.stop == PLAIN_STOP
 
 
+def test_plain_template_keeps_the_space_an_answer_was_generated_with():
+    """The model writes its answer after "Assistant:", so the answer a client gets starts with a space;
+    sent back verbatim, it renders the same text the model generated (one space), not two."""
+    t = ChatTemplate()
+    asked = [{"role": "user", "content": "Hello"}]
+    generated = " Well met."
+    prompt = t.render(asked)
+    history = t.render([*asked, {"role": "assistant", "content": generated}], add_generation_prompt=False)
+    assert history == prompt + generated + "\n"
+    bare = t.render([*asked, {"role": "assistant", "content": "Well met."}], add_generation_prompt=False)
+    assert bare == history
+
+
 def test_jinja_template_from_gguf(tmp_path):
     path = tmp_path / "m.gguf"
     w = gguf.GGUFWriter(path, "mamba")

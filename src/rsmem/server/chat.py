@@ -64,8 +64,9 @@ class ChatTemplate:
         for m in messages:
             if m["role"] == "system":
                 parts.append(f"{m['content']}\n\n")
-            elif m["role"] == "assistant":
-                parts.append(f"Assistant: {m['content']}\n")
+            elif m["role"] == "assistant":  # an answer as generated after "Assistant:" keeps its space
+                content = m["content"]
+                parts.append(f"Assistant:{content if content[:1].isspace() else ' ' + content}\n")
             else:
                 parts.append(f"User: {m['content']}\n")
         return parts
