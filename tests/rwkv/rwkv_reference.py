@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -102,3 +103,61 @@ def reference_model(sd: dict[str, torch.Tensor], folder: Path, version: int = 7)
 
 def clone_state(state: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.clone() for t in state]
+
+
+def world_vocab() -> list[bytes]:
+    """The RWKV World vocabulary as llama.cpp's converter orders it: ``<s>``, then the package's
+    ``rwkv_vocab_v20230424.txt`` in file order (ids 1..65529)."""
+    import ast
+
+    import rwkv
+
+    tokens = [b"<s>"]
+    path = Path(rwkv.__file__).parent / "rwkv_vocab_v20230424.txt"
+    for line in path.read_text(encoding="utf-8").splitlines():
+        parts = line.split(" ")
+        token = ast.literal_eval(" ".join(parts[1:-1]))
+        token = token.encode("utf-8") if isinstance(token, str) else token
+        assert len(token) == int(parts[-1])
+        tokens.append(token)
+    return tokens
+
+
+def write_rwkv7_gguf(path: Path, config: Any, tensors: dict[str, torch.Tensor], vocab: list[bytes]) -> None:
+    """A GGUF file as llama.cpp's converter lays out an RWKV-7 model (keys, tensor names and shapes, the
+    ``rwkv`` tokenizer with escaped tokens, bos = eos = 0, pads up to the embedding's rows)."""
+    import gguf
+
+    from rsmem.loaders.rwkv_tokenizer import escape_rwkv_token
+
+    arch = "rwkv7"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(1048576)
+    w.add_embedding_length(config.d_model)
+    w.add_block_count(config.n_layer)
+    w.add_layer_norm_eps(config.eps)
+    w.add_wkv_head_size(config.head_size)
+    w.add_decay_lora_rank(config.n_lora_decay)
+    w.add_iclr_lora_rank(config.n_lora_iclr)
+    w.add_value_residual_mix_lora_rank(config.n_lora_value_res_mix)
+    w.add_gate_lora_rank(config.n_lora_gate)
+    w.add_feed_forward_length(config.d_ff)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_head_count(0)
+    w.add_tokenizer_model("rwkv")
+    n_vocab = tensors["token_embd.weight"].shape[0]
+    texts = [escape_rwkv_token(t).encode("utf-8") for t in vocab[:n_vocab]]
+    types = [gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (len(texts) - 1)
+    for i in range(len(texts), n_vocab):
+        texts.append(f"[PAD{i}]".encode())
+        types.append(gguf.TokenType.UNUSED)
+    w.add_token_list(texts)
+    w.add_token_types(types)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    for name, t in tensors.items():
+        w.add_tensor(name, t.to(torch.float32).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import gguf
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -110,7 +111,18 @@ def tokenizer_data_from_gguf(reader: gguf.GGUFReader) -> TokenizerData | None:
             raise ModelFormatError(f"GGUF metadata key {key!r} is {v!r}, not a token id")
         return v
 
-    if value("tokenizer.ggml.model") != "gpt2":
+    model = value("tokenizer.ggml.model")
+    if model == "rwkv":  # the RWKV World vocabulary (see rsmem.loaders.rwkv_tokenizer): no merges
+        return TokenizerData(
+            tokens=strings("tokenizer.ggml.tokens"),
+            token_types=ints("tokenizer.ggml.token_type"),
+            merges=[],
+            bos_id=token_id("tokenizer.ggml.bos_token_id"),
+            eos_id=token_id("tokenizer.ggml.eos_token_id"),
+            model="rwkv",
+            pre="",
+        )
+    if model != "gpt2":
         return None
     return TokenizerData(
         tokens=strings("tokenizer.ggml.tokens"),
@@ -124,7 +136,13 @@ def tokenizer_data_from_gguf(reader: gguf.GGUFReader) -> TokenizerData | None:
 
 
 def build_tokenizer(data: TokenizerData) -> Tokenizer:
-    """A byte-level BPE ``tokenizers.Tokenizer`` (GPT-2 pre-tokenisation) from the stored vocabulary."""
+    """A byte-level BPE ``tokenizers.Tokenizer`` (GPT-2 pre-tokenisation) from the stored vocabulary; for
+    an ``rwkv`` vocabulary, a :class:`~rsmem.loaders.rwkv_tokenizer.RwkvTokenizer` (it offers the part of
+    ``tokenizers.Tokenizer`` the engine uses: encode, decode, get_vocab_size)."""
+    if data.model == "rwkv":
+        from rsmem.loaders.rwkv_tokenizer import RwkvTokenizer
+
+        return cast("Tokenizer", RwkvTokenizer.from_gguf(data.tokens, data.token_types))
     vocab = {tok: i for i, tok in enumerate(data.tokens)}
     try:
         merges = [(left, right) for left, right in (m.split(" ", 1) for m in data.merges)]
