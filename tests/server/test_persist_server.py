@@ -122,6 +122,10 @@ def test_the_cache_dir_serves_the_follow_up_after_a_restart(shared_llm, tmp_path
         regenerated = chat(server, TURN1)
         assert server.engine.checkpoints is not None
         assert server.engine.checkpoints.stats.disk_restores >= 1
+        metrics = httpx.get(f"{server.url}/metrics").text
+        values = {ln.split()[0]: float(ln.split()[1]) for ln in metrics.splitlines() if ln[:1] != "#"}
+        assert values["rsmem_cache_dir_restores_total"] >= 1 and values["rsmem_cache_dir_checkpoints"] >= 1
+        assert values["rsmem_cache_dir_bytes"] > 0 and values["rsmem_cache_dir_corrupt_total"] == 0
     assert computed(second) <= new_message_tokens(shared_llm) + MARGIN, second["usage"]
     assert second["choices"][0]["message"]["content"] == expected_reply(shared_llm, turn2)
     assert computed(regenerated) == 1, regenerated["usage"]

@@ -71,7 +71,18 @@ def _cache_figures(s: EngineStats, cache: CheckpointCache | None) -> dict[str, i
     }
     if cache is None:
         return hits
+    disk = cache.disk
+    if disk is not None:
+        hits |= {
+            "disk_entries": len(disk),
+            "disk_bytes": disk.nbytes,
+            "disk_restores": cache.stats.disk_restores,
+            "disk_written": disk.stats.written,
+            "disk_corrupt": disk.stats.corrupt,
+            "disk_evictions": disk.stats.evictions,
+        }
     return hits | {
+        "checkpoints_added": cache.stats.added,
         "cache_entries": len(cache),
         "cache_bytes": cache.nbytes,
         "cache_evictions": cache.tree.stats.evictions,

@@ -108,3 +108,10 @@ class EngineSnapshot:
     cache_hits_rollback: int = 0
     cache_hits_checkpoint: int = 0
     cache_misses: int = 0
+    disk_entries: int = 0  # checkpoint files in --cache-dir
+    disk_bytes: int = 0
+    disk_restores: int = 0  # restores read from --cache-dir
+    disk_written: int = 0
+    disk_corrupt: int = 0  # files dropped as unreadable
+    disk_evictions: int = 0
+    checkpoints_added: int = 0  # from saved slots and sessions

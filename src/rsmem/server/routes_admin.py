@@ -122,6 +122,20 @@ async def metrics(request: Request) -> PlainTextResponse:
             m.cache_evictions,
         ),
         _metric("rsmem_checkpoints_taken_total", "counter", "Checkpoints taken.", m.checkpoints_taken),
+        _metric(
+            "rsmem_checkpoints_added_total",
+            "counter",
+            "Checkpoints added from restored slot and session files.",
+            m.checkpoints_added,
+        ),
+        _metric("rsmem_cache_dir_checkpoints", "gauge", "Checkpoint files in --cache-dir.", m.disk_entries),
+        _metric("rsmem_cache_dir_bytes", "gauge", "Bytes of checkpoint files in --cache-dir.", m.disk_bytes),
+        _metric(
+            "rsmem_cache_dir_restores_total", "counter", "Restores read from --cache-dir.", m.disk_restores
+        ),
+        _metric("rsmem_cache_dir_written_total", "counter", "Checkpoint files written.", m.disk_written),
+        _metric("rsmem_cache_dir_corrupt_total", "counter", "Unreadable files dropped.", m.disk_corrupt),
+        _metric("rsmem_cache_dir_evictions_total", "counter", "Checkpoint files deleted.", m.disk_evictions),
         "# HELP rsmem_prompt_cache_hits_total Prompts continued from a kept state, by kind.",
         "# TYPE rsmem_prompt_cache_hits_total counter",
         f'rsmem_prompt_cache_hits_total{{kind="extension"}} {m.cache_hits_extension}',
