@@ -90,6 +90,47 @@ def random_rwkv7(
     return sd
 
 
+def random_rwkv6(
+    n_embd: int = 128, n_layer: int = 3, n_vocab: int = 300, head_size: int = 64, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """A BlinkDL RWKV-6 state dict with random weights (mixer rank 32, decay rank 64, d_ff 3.5C)."""
+    g = torch.Generator().manual_seed(seed)
+    c, f, e, de = n_embd, int(3.5 * n_embd) // 32 * 32, 32, 64
+
+    def rnd(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale + shift
+
+    sd: dict[str, torch.Tensor] = {
+        "emb.weight": rnd(n_vocab, c),
+        "blocks.0.ln0.weight": rnd(c, scale=0.1, shift=1.0),
+        "blocks.0.ln0.bias": rnd(c, scale=0.1),
+        "ln_out.weight": rnd(c, scale=0.1, shift=1.0),
+        "ln_out.bias": rnd(c, scale=0.1),
+        "head.weight": rnd(n_vocab, c, scale=c**-0.5),
+    }
+    for b in range(n_layer):
+        p = f"blocks.{b}."
+        for ln in ("ln1", "ln2", "att.ln_x"):
+            sd[f"{p}{ln}.weight"] = rnd(c, scale=0.1, shift=1.0)
+            sd[f"{p}{ln}.bias"] = rnd(c, scale=0.1)
+        for x in "xwkvrg":
+            sd[f"{p}att.time_maa_{x}"] = torch.rand(1, 1, c, generator=g)
+        sd[f"{p}att.time_maa_w1"] = rnd(c, 5 * e, scale=0.1)
+        sd[f"{p}att.time_maa_w2"] = rnd(5, e, c, scale=0.1)
+        sd[f"{p}att.time_decay"] = rnd(1, 1, c, scale=1.5, shift=-2.5)  # some channels decay hard
+        sd[f"{p}att.time_decay_w1"] = rnd(c, de, scale=0.1)
+        sd[f"{p}att.time_decay_w2"] = rnd(de, c, scale=0.1)
+        sd[f"{p}att.time_faaaa"] = rnd(c // head_size, head_size, scale=0.5)
+        for m in ("receptance", "key", "value", "gate", "output"):
+            sd[f"{p}att.{m}.weight"] = rnd(c, c, scale=c**-0.5)
+        sd[f"{p}ffn.time_maa_k"] = torch.rand(1, 1, c, generator=g)
+        sd[f"{p}ffn.time_maa_r"] = torch.rand(1, 1, c, generator=g)
+        sd[f"{p}ffn.key.weight"] = rnd(f, c, scale=c**-0.5)
+        sd[f"{p}ffn.receptance.weight"] = rnd(c, c, scale=c**-0.5)
+        sd[f"{p}ffn.value.weight"] = rnd(c, f, scale=f**-0.5)
+    return sd
+
+
 def reference_model(sd: dict[str, torch.Tensor], folder: Path, version: int = 7) -> object:
     """The ``rwkv`` package's model of ``sd`` (saved as ``folder/ref.pth``), strategy ``cpu fp32``."""
     path = folder / f"ref-v{version}"
@@ -123,24 +164,30 @@ def world_vocab() -> list[bytes]:
     return tokens
 
 
-def write_rwkv7_gguf(path: Path, config: Any, tensors: dict[str, torch.Tensor], vocab: list[bytes]) -> None:
-    """A GGUF file as llama.cpp's converter lays out an RWKV-7 model (keys, tensor names and shapes, the
-    ``rwkv`` tokenizer with escaped tokens, bos = eos = 0, pads up to the embedding's rows)."""
+def write_rwkv_gguf(
+    path: Path, arch: str, config: Any, tensors: dict[str, torch.Tensor], vocab: list[bytes]
+) -> None:
+    """A GGUF file as llama.cpp's converter lays out an RWKV-7 or RWKV-6 model (keys, tensor names and shapes,
+    the ``rwkv`` tokenizer with escaped tokens, bos = eos = 0, pads up to the embedding's rows)."""
     import gguf
 
     from rsmem.loaders.rwkv_tokenizer import escape_rwkv_token
 
-    arch = "rwkv7"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(1048576)
     w.add_embedding_length(config.d_model)
     w.add_block_count(config.n_layer)
     w.add_layer_norm_eps(config.eps)
     w.add_wkv_head_size(config.head_size)
-    w.add_decay_lora_rank(config.n_lora_decay)
-    w.add_iclr_lora_rank(config.n_lora_iclr)
-    w.add_value_residual_mix_lora_rank(config.n_lora_value_res_mix)
-    w.add_gate_lora_rank(config.n_lora_gate)
+    if arch == "rwkv7":
+        w.add_decay_lora_rank(config.n_lora_decay)
+        w.add_iclr_lora_rank(config.n_lora_iclr)
+        w.add_value_residual_mix_lora_rank(config.n_lora_value_res_mix)
+        w.add_gate_lora_rank(config.n_lora_gate)
+    else:
+        w.add_rescale_every_n_layers(config.rescale_every_n_layers)
+        w.add_time_mix_extra_dim(config.time_mix_extra_dim)
+        w.add_time_decay_extra_dim(config.time_decay_extra_dim)
     w.add_feed_forward_length(config.d_ff)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_head_count(0)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_ref_, wkv7_step_
+from rsmem.models.ops.wkv6 import wkv6_chunked_, wkv6_ref_, wkv6_step_
 
 DECAY_SCALE = 0.606531
 
@@ -54,3 +55,34 @@ def test_step_is_one_token_of_the_recurrence() -> None:
     want = want + v[:, 0, :, :, None] * k[:, 0, :, None, :]
     torch.testing.assert_close(s1, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y1, torch.einsum("bhvk,bhk->bhv", want, r[:, 0]), rtol=1e-5, atol=1e-4)
+
+
+def inputs6(bs: int, length: int, h: int, n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    r, k, v = (torch.randn(bs, length, h, n, generator=g) for _ in range(3))
+    log_w = -torch.exp(2 * torch.randn(bs, length, h, n, generator=g))  # decays from ~1 to ~e^-400
+    u = torch.randn(h, n, generator=g)
+    return r, log_w, k, v, u
+
+
+@pytest.mark.parametrize(("length", "chunk"), [(1, 16), (7, 4), (40, 16), (100, 32), (9, 1)])
+def test_wkv6_chunked_matches_token_loop(length: int, chunk: int) -> None:
+    r, log_w, k, v, u = inputs6(2, length, 3, 64)
+    s0 = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(5))
+    s_ref, s_chunk = s0.double(), s0.clone()
+    y_ref = wkv6_ref_(s_ref, r.double(), log_w.double(), k.double(), v.double(), u.double())
+    y = wkv6_chunked_(s_chunk, r, log_w, k, v, u, chunk_size=chunk)
+    assert torch.isfinite(y).all()
+    assert (y - y_ref).abs().max() <= 1e-4 * y_ref.abs().max()
+    assert (s_chunk - s_ref).abs().max() <= 1e-5 * s_ref.abs().max()
+
+
+def test_wkv6_step_is_one_token_of_the_recurrence() -> None:
+    r, log_w, k, v, u = inputs6(4, 1, 2, 64, seed=7)
+    s0 = torch.randn(4, 2, 64, 64)
+    s1 = s0.clone()
+    w = log_w[:, 0].exp()
+    y = wkv6_step_(s1, r[:, 0], w, k[:, 0], v[:, 0], u)
+    kv = k[:, 0, :, :, None] * v[:, 0, :, None, :]  # [Bs, H, K, V]
+    torch.testing.assert_close(y, torch.einsum("bhk,bhkv->bhv", r[:, 0], s0 + u[None, :, :, None] * kv))
+    torch.testing.assert_close(s1, s0 * w[..., None] + kv)

@@ -19,7 +19,7 @@ from rsmem.models.mamba import MambaConfig, MambaLayer, MambaModel, MambaWeights
 from rsmem.models.mamba2 import Mamba2Config, Mamba2Layer, Mamba2Model, Mamba2Weights
 from rsmem.models.nemotron_h import NemotronHModel
 
-SUPPORTED_ARCHS = ("mamba", "mamba2", "lfm2", "nemotron_h", "rwkv7")
+SUPPORTED_ARCHS = ("mamba", "mamba2", "lfm2", "nemotron_h", "rwkv7", "rwkv6")
 T = gguf.MODEL_TENSOR
 
 

@@ -16,12 +16,14 @@ import gguf
 import torch
 
 from rsmem.errors import ModelFormatError
+from rsmem.loaders.rwkv6 import build_rwkv6, rwkv6_config
+from rsmem.models.rwkv6 import Rwkv6Config, Rwkv6Model
 from rsmem.models.rwkv7 import Rwkv7Config, Rwkv7Layer, Rwkv7Model, Rwkv7Weights
 
 if TYPE_CHECKING:
     from rsmem.loaders.checkpoint import Checkpoint
 
-RWKV_ARCHS = ("rwkv7",)
+RWKV_ARCHS = ("rwkv7", "rwkv6")
 T = gguf.MODEL_TENSOR
 LERPS_7 = ("r", "w", "k", "v", "a", "g")  # order of time_mix_lerp_fused
 
@@ -41,7 +43,9 @@ def _int(value: object, what: str) -> int:
 
 def config_from_gguf(
     arch: str, key: Key, n_vocab: int, optional: Callable[[str], object | None]
-) -> Rwkv7Config:
+) -> Rwkv7Config | Rwkv6Config:
+    if arch == "rwkv6":
+        return rwkv6_config(key, n_vocab, optional)
     if arch != "rwkv7":
         raise ModelFormatError(f"unsupported RWKV architecture {arch!r}")
     shift = optional("token_shift_count")
@@ -67,9 +71,11 @@ def config_from_gguf(
         raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
 
 
-def build_rwkv(ckpt: Checkpoint) -> Rwkv7Model:
+def build_rwkv(ckpt: Checkpoint) -> Rwkv7Model | Rwkv6Model:
     if ckpt.arch == "rwkv7":
         return _rwkv7(ckpt)
+    if ckpt.arch == "rwkv6":
+        return build_rwkv6(ckpt)
     raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
 
 

@@ -3,6 +3,7 @@
 from rsmem.models.mamba import MambaConfig, MambaModel
 from rsmem.models.mamba2 import Mamba2Config, Mamba2Model
 from rsmem.models.protocol import RecurrentModel, StateAccess
+from rsmem.models.rwkv6 import Rwkv6Config, Rwkv6Model
 from rsmem.models.rwkv7 import Rwkv7Config, Rwkv7Model
 from rsmem.models.toy import DecayedSumModel
 
@@ -13,6 +14,8 @@ __all__ = [
     "MambaConfig",
     "MambaModel",
     "RecurrentModel",
+    "Rwkv6Config",
+    "Rwkv6Model",
     "Rwkv7Config",
     "Rwkv7Model",
     "StateAccess",

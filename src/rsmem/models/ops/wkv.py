@@ -23,6 +23,8 @@ exponents stay within half a chunk's total decay (``T = 64``: ``e^{+-19.5}``, we
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -58,11 +60,18 @@ def wkv7_ref_(
     return torch.stack(ys, dim=1)
 
 
-def _chunks(x: torch.Tensor, n_chunks: int, size: int) -> torch.Tensor:
-    """``[Bs, L, H, N]`` -> ``[Bs, H, n_chunks, size, N]``, zero-padded at the end."""
-    bs, length, h, n = x.shape
-    x = F.pad(x, (0, 0, 0, 0, 0, n_chunks * size - length))
-    return x.view(bs, n_chunks, size, h, n).permute(0, 3, 1, 2, 4)
+def chunked_layout(length: int, chunk_size: int) -> tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]:
+    """The chunk length and count for ``length`` tokens, and the function that lays out an input
+    ``[Bs, L, H, N]`` as ``[Bs, H, n_chunks, size, N]`` (zero-padded at the end)."""
+    size = min(chunk_size, length)
+    n_chunks = -(-length // size)
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        bs, _, h, n = x.shape
+        x = F.pad(x, (0, 0, 0, 0, 0, n_chunks * size - length))
+        return x.view(bs, n_chunks, size, h, n).permute(0, 3, 1, 2, 4)
+
+    return size, n_chunks, chunks
 
 
 def wkv7_chunked_(
@@ -80,11 +89,10 @@ def wkv7_chunked_(
 
     Padding tokens (``k = v = a = b = 0``, no decay) leave the state unchanged."""
     bs, length, h, n = r.shape
-    size = min(chunk_size, length)
-    n_chunks = -(-length // size)
-    rc, kc, vc, ac, bc = (_chunks(t, n_chunks, size) for t in (r, k, v, a, b))  # [Bs, H, C, T, N]
-    c = _chunks(log_w, n_chunks, size).cumsum(dim=-2)  # c_t, inclusive
-    c_prev = c - _chunks(log_w, n_chunks, size)  # c_{t-1}
+    size, n_chunks, chunks = chunked_layout(length, chunk_size)
+    rc, kc, vc, ac, bc, lw = (chunks(t) for t in (r, k, v, a, b, log_w))  # [Bs, H, C, T, N]
+    c = lw.cumsum(dim=-2)  # c_t, inclusive
+    c_prev = c - lw  # c_{t-1}
     mid = c[..., size // 2 : size // 2 + 1, :]  # reference point: exponents stay within half a chunk
     last = c[..., -1:, :]
     a_dec = ac * torch.exp(c_prev - mid)

@@ -1,6 +1,6 @@
-"""RWKV-7 against the official ``rwkv`` package (0.8.32, ``RWKV_x070``, cpu fp32) on a random model: whole
-prompt, token by token, chunked prefill, several sequences in one batch, a fork, restored states, and the
-state rows in llama.cpp's layout (the package's own state, value for value)."""
+"""RWKV-7 and RWKV-6 against the official ``rwkv`` package (0.8.32: ``RWKV_x070`` and ``RWKV``, cpu fp32) on
+random models: whole prompt, token by token, chunked prefill, several sequences in one batch, a fork,
+restored states, and the state rows in llama.cpp's layout (the package's own state, value for value)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import struct
 
 import pytest
 import torch
-from rwkv_reference import clone_state, random_rwkv7, reference_model
+from rwkv_reference import clone_state, random_rwkv6, random_rwkv7, reference_model
 
 from rsmem import Batch, Context
 from rsmem.loaders.checkpoint import Checkpoint
 from rsmem.loaders.rwkv import build_rwkv, rwkv7_from_blink
+from rsmem.loaders.rwkv6 import rwkv6_from_blink
+from rsmem.models.rwkv6 import Rwkv6Model
 from rsmem.models.rwkv7 import Rwkv7Model
 
 N_EMBD, N_LAYER, N_VOCAB = 128, 3, 300
@@ -26,25 +28,30 @@ def close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-4) -> None:
     assert err <= rel * want.abs().max().item(), f"max error {err:.3g}, scale {want.abs().max().item():.3g}"
 
 
-@pytest.fixture(scope="module")
-def sd() -> dict[str, torch.Tensor]:
-    return random_rwkv7(N_EMBD, N_LAYER, N_VOCAB)
+@pytest.fixture(scope="module", params=[7, 6], ids=["rwkv7", "rwkv6"])
+def version(request) -> int:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def ref(sd, tmp_path_factory):
-    return reference_model(sd, tmp_path_factory.mktemp("rwkv7"))
-
-
-def build(sd: dict[str, torch.Tensor], **changes: int) -> Rwkv7Model:
-    config, tensors = rwkv7_from_blink(sd)
-    return build_rwkv(
-        Checkpoint(arch="rwkv7", config=dataclasses.replace(config, **changes), tensors=tensors)
-    )
+def sd(version: int) -> dict[str, torch.Tensor]:
+    return (random_rwkv7 if version == 7 else random_rwkv6)(N_EMBD, N_LAYER, N_VOCAB)
 
 
 @pytest.fixture(scope="module")
-def model(sd) -> Rwkv7Model:
+def ref(sd, version, tmp_path_factory):
+    return reference_model(sd, tmp_path_factory.mktemp(f"rwkv{version}"), version)
+
+
+def build(sd: dict[str, torch.Tensor], **changes: int) -> Rwkv7Model | Rwkv6Model:
+    v7 = "blocks.0.att.r_k" in sd
+    config, tensors = (rwkv7_from_blink if v7 else rwkv6_from_blink)(sd)  # type: ignore[operator]
+    arch = "rwkv7" if v7 else "rwkv6"
+    return build_rwkv(Checkpoint(arch=arch, config=dataclasses.replace(config, **changes), tensors=tensors))
+
+
+@pytest.fixture(scope="module")
+def model(sd) -> Rwkv7Model | Rwkv6Model:
     return build(sd)
 
 
@@ -119,7 +126,7 @@ def test_restored_state(model, ref, ref_prompt, tmp_path) -> None:
 
 def test_state_rows_are_llamacpp_layout(model, ref_prompt) -> None:
     """The sequence blob (llama.cpp's format) holds, per layer, r = [time-mix shift, channel-mix shift] and
-    s = the WKV state [H, V, K]: the package's state[3i], state[3i+2] and state[3i+1]."""
+    s = the WKV state (RWKV-7 [H, V, K], RWKV-6 [H, K, V]): the package's state[3i], [3i+2], [3i+1]."""
     ctx = Context(model)
     ctx.decode(Batch(PROMPT))
     blob = ctx.state_seq_get_data(0)

@@ -1,5 +1,6 @@
-"""RWKV-7 through GGUF as llama.cpp lays it out: the file loads to the same logits, its World tokenizer is
-read, sequence state files round-trip in llama.cpp's format, and ``rsmem generate -m`` runs it."""
+"""RWKV-7 (and RWKV-6) through GGUF as llama.cpp lays it out: the file loads to the same logits, its World
+tokenizer is read, sequence state files round-trip in llama.cpp's format, and ``rsmem generate -m`` runs it;
+RWKV-6's rescale_every_n_layers (weights divided by the converter, residual halved) keeps the logits."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import sys
 
 import pytest
 import torch
-from rwkv_reference import random_rwkv7, world_vocab, write_rwkv7_gguf
+from rwkv_reference import random_rwkv6, random_rwkv7, world_vocab, write_rwkv_gguf
 
 import rsmem
 from rsmem import Batch, Context
 from rsmem.loaders.checkpoint import Checkpoint
 from rsmem.loaders.rwkv import build_rwkv, rwkv7_from_blink
+from rsmem.loaders.rwkv6 import rwkv6_from_blink
 
 PROMPT = [72, 102, 109, 109, 112, 33, 120, 112, 115, 109, 101, 257, 258, 290]
 
@@ -29,7 +31,7 @@ def blink():
 @pytest.fixture(scope="module")
 def gguf_path(blink, tmp_path_factory):
     path = tmp_path_factory.mktemp("rwkv7gguf") / "rwkv7.gguf"
-    write_rwkv7_gguf(path, blink[0], blink[1], world_vocab())
+    write_rwkv_gguf(path, "rwkv7", blink[0], blink[1], world_vocab())
     return path
 
 
@@ -88,3 +90,31 @@ def test_generate_command_runs_an_rwkv7_gguf(gguf_path) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Hello") and len(r.stdout) > len("Hello")
     assert "tok/s" in r.stderr
+
+
+def rwkv6_gguf(tmp_path, rescale: int):
+    """A random RWKV-6 as llama.cpp's converter writes it with ``rescale_every_n_layers``: the time-mix output
+    and channel-mix value matrices of layer b divided by 2^(b // rescale)."""
+    config, tensors = rwkv6_from_blink(random_rwkv6(128, 3, 300, seed=6))
+    # a tiny layer-norm eps: the norms are then scale-invariant, and the rescaled model equals the plain one
+    config = dataclasses.replace(config, rescale_every_n_layers=rescale, eps=1e-10)
+    if rescale:
+        for b in range(config.n_layer):
+            for kind in ("time_mix_output", "channel_mix_value"):
+                tensors[f"blk.{b}.{kind}.weight"] = tensors[f"blk.{b}.{kind}.weight"] / 2 ** (b // rescale)
+    path = tmp_path / f"rwkv6-{rescale}.gguf"
+    write_rwkv_gguf(path, "rwkv6", config, tensors, world_vocab())
+    return path
+
+
+def test_rwkv6_gguf_and_rescaled_layers(tmp_path) -> None:
+    outs = []
+    for rescale in (0, 1):
+        model = rsmem.load_model(rwkv6_gguf(tmp_path, rescale))
+        assert model.arch == "rwkv6" and model.config.rescale_every_n_layers == rescale
+        assert model.tokenizer is not None
+        ctx = Context(model)
+        ctx.decode(Batch(PROMPT, logits=[True] * len(PROMPT)))
+        outs.append(ctx.logits)
+    err = (outs[1] - outs[0]).abs().max().item()
+    assert err <= 1e-5 * outs[0].abs().max().item()

@@ -1,0 +1,174 @@
+"""RWKV-6 in llama.cpp's form: GGUF hyperparameters, weights by tensor name, and BlinkDL ``.pth`` state dicts
+mapped into that form as llama.cpp's converter maps its HF twin (lerps ``w, k, v, r, g`` stacked into
+``time_mix_lerp_fused`` ``[5, 1, 1, C]``, ``time_mix_w1`` and the decay low-rank matrices as ``[out, in]``,
+``time_mix_w2`` as ``[5, C, extra]``). ``rsmem.loaders.rwkv`` dispatches here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import gguf
+import torch
+
+from rsmem.errors import ModelFormatError
+from rsmem.models.rwkv6 import Rwkv6Config, Rwkv6Layer, Rwkv6Model, Rwkv6Weights
+
+if TYPE_CHECKING:
+    from rsmem.loaders.checkpoint import Checkpoint
+
+T = gguf.MODEL_TENSOR
+LERPS_6 = ("w", "k", "v", "r", "g")  # order of time_mix_lerp_fused
+
+
+def name(kind: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".weight") -> str:
+    base = gguf.TENSOR_NAMES[kind]
+    return (base.format(bid=bid) if bid is not None else base) + suffix
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelFormatError(f"{what} is {value!r}, not a number")
+    return int(value)
+
+
+def rwkv6_config(
+    key: Callable[[str], object], n_vocab: int, optional: Callable[[str], object | None]
+) -> Rwkv6Config:
+    """From ``rwkv6.*`` metadata (``key`` raises for a missing key)."""
+    shift = optional("token_shift_count")
+    if shift is not None and _int(shift, "token_shift_count") != 2:
+        raise ModelFormatError(f"rwkv6 needs token_shift_count 2, got {shift!r}")
+    eps = optional("attention.layer_norm_epsilon")
+    rescale = optional("rescale_every_n_layers")
+    try:
+        return Rwkv6Config(
+            d_model=_int(key("embedding_length"), "embedding_length"),
+            n_layer=_int(key("block_count"), "block_count"),
+            n_vocab=n_vocab,
+            head_size=_int(key("wkv.head_size"), "wkv.head_size"),
+            d_ff=_int(key("feed_forward_length"), "feed_forward_length"),
+            time_mix_extra_dim=_int(key("time_mix_extra_dim"), "time_mix_extra_dim"),
+            time_decay_extra_dim=_int(key("time_decay_extra_dim"), "time_decay_extra_dim"),
+            rescale_every_n_layers=0 if rescale is None else _int(rescale, "rescale_every_n_layers"),
+            eps=1e-5 if eps is None else float(eps),  # type: ignore[arg-type]
+        )
+    except ValueError as exc:
+        raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
+
+
+def build_rwkv6(ckpt: Checkpoint) -> Rwkv6Model:
+    cfg = ckpt.config
+    assert isinstance(cfg, Rwkv6Config)
+    d, f, e, de = cfg.d_model, cfg.d_ff, cfg.time_mix_extra_dim, cfg.time_decay_extra_dim
+    layers = []
+    for b in range(cfg.n_layer):
+
+        def get(kind: gguf.MODEL_TENSOR, shape: tuple[int, ...], suffix: str = ".weight") -> torch.Tensor:
+            return ckpt.get(name(kind, b, suffix), shape)  # noqa: B023 (used at once, inside the loop)
+
+        if name(T.TIME_MIX_LERP_FUSED, b) not in ckpt.tensors:
+            raise ModelFormatError(
+                f"{ckpt.source}: rwkv6 without time_mix_lerp_fused (layer {b}) is not supported"
+            )
+        layers.append(
+            Rwkv6Layer(
+                attn_norm=get(T.ATTN_NORM, (d,)),
+                attn_norm_b=get(T.ATTN_NORM, (d,), ".bias"),
+                ffn_norm=get(T.ATTN_NORM_2, (d,)),
+                ffn_norm_b=get(T.ATTN_NORM_2, (d,), ".bias"),
+                lerp_x=get(T.TIME_MIX_LERP_X, (d,)),
+                lerp=get(T.TIME_MIX_LERP_FUSED, (5, d)),
+                w1=get(T.TIME_MIX_W1, (5 * e, d)),
+                w2=get(T.TIME_MIX_W2, (5, d, e)),
+                decay=get(T.TIME_MIX_DECAY, (d,)),
+                decay_w1=get(T.TIME_MIX_DECAY_W1, (de, d)),
+                decay_w2=get(T.TIME_MIX_DECAY_W2, (d, de)),
+                first=get(T.TIME_MIX_FIRST, (cfg.n_head, cfg.head_size)),
+                receptance=get(T.TIME_MIX_RECEPTANCE, (d, d)),
+                key=get(T.TIME_MIX_KEY, (d, d)),
+                value=get(T.TIME_MIX_VALUE, (d, d)),
+                gate=get(T.TIME_MIX_GATE, (d, d)),
+                output=get(T.TIME_MIX_OUTPUT, (d, d)),
+                ln_x=get(T.TIME_MIX_LN, (d,)),
+                ln_x_b=get(T.TIME_MIX_LN, (d,), ".bias"),
+                ffn_lerp_k=get(T.CHANNEL_MIX_LERP_K, (d,)),
+                ffn_lerp_r=get(T.CHANNEL_MIX_LERP_R, (d,)),
+                ffn_key=get(T.CHANNEL_MIX_KEY, (f, d)),
+                ffn_value=get(T.CHANNEL_MIX_VALUE, (d, f)),
+                ffn_receptance=get(T.CHANNEL_MIX_RECEPTANCE, (d, d)),
+            )
+        )
+    emb = ckpt.get(name(T.TOKEN_EMBD), (cfg.n_vocab, d))
+    head = name(T.OUTPUT)
+    weights = Rwkv6Weights(
+        embedding=emb,
+        emb_norm=ckpt.get(name(T.TOKEN_EMBD_NORM), (d,)),
+        emb_norm_b=ckpt.get(name(T.TOKEN_EMBD_NORM, None, ".bias"), (d,)),
+        layers=layers,
+        norm_f=ckpt.get(name(T.OUTPUT_NORM), (d,)),
+        norm_f_b=ckpt.get(name(T.OUTPUT_NORM, None, ".bias"), (d,)),
+        lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
+    )
+    return Rwkv6Model(cfg, weights)
+
+
+def rwkv6_from_blink(sd: Mapping[str, torch.Tensor]) -> tuple[Rwkv6Config, dict[str, torch.Tensor]]:
+    """The config and llama.cpp-named float32 tensors of a BlinkDL RWKV-6 state dict (no rescaling)."""
+
+    def t(key: str) -> torch.Tensor:
+        if key not in sd:
+            raise ModelFormatError(f"missing tensor {key!r} in the RWKV-6 checkpoint")
+        return sd[key].to(torch.float32)
+
+    n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+    n_vocab, d = t("emb.weight").shape
+    n_head, head_size = t("blocks.0.att.time_faaaa").shape[:2]
+    out: dict[str, torch.Tensor] = {
+        name(T.TOKEN_EMBD): t("emb.weight"),
+        name(T.TOKEN_EMBD_NORM): t("blocks.0.ln0.weight"),
+        name(T.TOKEN_EMBD_NORM, None, ".bias"): t("blocks.0.ln0.bias"),
+        name(T.OUTPUT_NORM): t("ln_out.weight"),
+        name(T.OUTPUT_NORM, None, ".bias"): t("ln_out.bias"),
+        name(T.OUTPUT): t("head.weight"),
+    }
+    plain = {
+        "ln1.weight": (T.ATTN_NORM, ".weight"), "ln1.bias": (T.ATTN_NORM, ".bias"),
+        "ln2.weight": (T.ATTN_NORM_2, ".weight"), "ln2.bias": (T.ATTN_NORM_2, ".bias"),
+        "att.time_maa_x": (T.TIME_MIX_LERP_X, ".weight"), "att.time_decay": (T.TIME_MIX_DECAY, ".weight"),
+        "att.receptance.weight": (T.TIME_MIX_RECEPTANCE, ".weight"),
+        "att.key.weight": (T.TIME_MIX_KEY, ".weight"), "att.value.weight": (T.TIME_MIX_VALUE, ".weight"),
+        "att.gate.weight": (T.TIME_MIX_GATE, ".weight"), "att.output.weight": (T.TIME_MIX_OUTPUT, ".weight"),
+        "att.ln_x.weight": (T.TIME_MIX_LN, ".weight"), "att.ln_x.bias": (T.TIME_MIX_LN, ".bias"),
+        "ffn.time_maa_k": (T.CHANNEL_MIX_LERP_K, ".weight"),
+        "ffn.time_maa_r": (T.CHANNEL_MIX_LERP_R, ".weight"),
+        "ffn.key.weight": (T.CHANNEL_MIX_KEY, ".weight"),
+        "ffn.value.weight": (T.CHANNEL_MIX_VALUE, ".weight"),
+        "ffn.receptance.weight": (T.CHANNEL_MIX_RECEPTANCE, ".weight"),
+    }  # fmt: skip
+    for b in range(n_layer):
+        p = f"blocks.{b}."
+        for src, (kind, suffix) in plain.items():
+            tensor = t(p + src)
+            out[name(kind, b, suffix)] = tensor if tensor.dim() == 2 else tensor.flatten()
+        out[name(T.TIME_MIX_FIRST, b)] = t(p + "att.time_faaaa").reshape(n_head, head_size)
+        out[name(T.TIME_MIX_W1, b)] = t(p + "att.time_maa_w1").t().contiguous()  # [5 * extra, C]
+        out[name(T.TIME_MIX_W2, b)] = t(p + "att.time_maa_w2").permute(0, 2, 1).contiguous()  # [5, C, extra]
+        out[name(T.TIME_MIX_DECAY_W1, b)] = t(p + "att.time_decay_w1").t().contiguous()
+        out[name(T.TIME_MIX_DECAY_W2, b)] = t(p + "att.time_decay_w2").t().contiguous()
+        lerps = [t(f"{p}att.time_maa_{x}").flatten() for x in LERPS_6]
+        out[name(T.TIME_MIX_LERP_FUSED, b)] = torch.stack(lerps).view(5, 1, 1, d)
+    config = Rwkv6Config(
+        d_model=d,
+        n_layer=n_layer,
+        n_vocab=n_vocab,
+        head_size=head_size,
+        d_ff=t("blocks.0.ffn.key.weight").shape[0],
+        time_mix_extra_dim=t("blocks.0.att.time_maa_w1").shape[1] // 5,
+        time_decay_extra_dim=t("blocks.0.att.time_decay_w1").shape[1],
+    )
+    if config.n_head != n_head:
+        raise ModelFormatError(
+            f"time_faaaa has {n_head} heads, the embedding width {d} makes {config.n_head}"
+        )
+    return config, out
