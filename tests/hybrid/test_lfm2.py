@@ -98,3 +98,14 @@ def test_half_precision_kv_cache(model, dtype: torch.dtype) -> None:
     ctx.decode(Batch(CONT, seq_ids=[[1]] * 3, logits=[True] * 3))
     cont = torch.from_numpy(np.load(FIXTURES / "logits-continuation-f32.npy"))
     assert (ctx.logits - cont).abs().max().item() < (2e-3 if dtype == torch.float16 else 2e-2)
+
+
+def test_state_of_a_single_token_round_trips(model) -> None:
+    """One cell: V transposed is a [n_embd_v, 1] view (writing it raised before)."""
+    ctx = _ctx(model)
+    ctx.decode(Batch([PROMPT[0]]))
+    blob = hybrid_state.seq_blob(ctx.memory, 0)
+    other = _ctx(model)
+    hybrid_state.load_seq_blob(other.memory, blob, 1)
+    assert other.memory.kv.v_l[1][1, 0].equal(ctx.memory.kv.v_l[1][0, 0])
+    assert hybrid_state.seq_blob(other.memory, 1)[8:] != b"" and other.memory.seq_pos_max(1) == 0

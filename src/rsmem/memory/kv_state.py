@@ -46,7 +46,9 @@ class KVStream:
 
 
 def _bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    """Row-major bytes of ``t``. Flattened first: a ``[n, 1]`` transposed view counts as contiguous with a
+    last stride of ``n``, which a byte view refuses."""
+    return t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
 def write_kv(cache: KVCache, seq_id: int = -1) -> bytes:
