@@ -1,4 +1,4 @@
-"""Read Mamba / Mamba-2 GGUF files as llama.cpp's converter writes them (F32, F16, BF16, Q8_0 tensors)."""
+"""Read GGUF files as llama.cpp's converter writes them (tensor types and their checks: tensor_types.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
-import torch
 
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.checkpoint import SUPPORTED_ARCHS, Checkpoint, tensor_name
 from rsmem.loaders.hybrid import HYBRID_ARCHS, config_from_gguf
 from rsmem.loaders.rwkv import RWKV_ARCHS
 from rsmem.loaders.rwkv import config_from_gguf as rwkv_config_from_gguf
+from rsmem.loaders.tensor_types import load_tensors, open_reader
 from rsmem.loaders.tokenizer import tokenizer_data_from_gguf
 from rsmem.models.lfm2 import Lfm2Config
 from rsmem.models.mamba import MambaConfig
@@ -22,13 +21,6 @@ from rsmem.models.mamba2 import Mamba2Config
 from rsmem.models.nemotron_h import NemotronHConfig
 from rsmem.models.rwkv6 import Rwkv6Config
 from rsmem.models.rwkv7 import Rwkv7Config
-
-SUPPORTED_TYPES = {
-    gguf.GGMLQuantizationType.F32,
-    gguf.GGMLQuantizationType.F16,
-    gguf.GGMLQuantizationType.BF16,
-    gguf.GGMLQuantizationType.Q8_0,
-}
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
@@ -46,13 +38,15 @@ def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     if not is_gguf(path):
         raise ModelFormatError(f"{path}: not a GGUF file (bad magic)")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = open_reader(path)
+    except ModelFormatError:
+        raise
     except Exception as exc:  # the reader raises many types on truncated or corrupt files
         raise ModelFormatError(f"{path}: unreadable GGUF file ({type(exc).__name__}: {exc})") from exc
     arch = _value(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHS:
         raise ModelFormatError(f"{path}: unsupported architecture {arch!r} (supported: {SUPPORTED_ARCHS})")
-    tensors = {t.name: _dequantize(t, path) for t in reader.tensors}
+    tensors = load_tensors(reader, path)
     emb = tensors.get(tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD))
     if emb is None:
         raise ModelFormatError(f"{path}: missing tensor 'token_embd.weight'")
@@ -120,16 +114,3 @@ def _hybrid_config(
         return get_config(arch, lambda k: _value(reader, f"{arch}.{k}", path), n_vocab, optional)
     except ModelFormatError as exc:
         raise ModelFormatError(f"{path}: {exc}") from exc
-
-
-def _dequantize(t: gguf.ReaderTensor, path: Path) -> torch.Tensor:
-    """The tensor as float32 in numpy order (ggml's shape reversed: a Linear weight reads ``[out, in]``)."""
-    if t.tensor_type not in SUPPORTED_TYPES:
-        raise ModelFormatError(f"{path}: tensor {t.name!r} has unsupported type {t.tensor_type.name}")
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    try:
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
-    except Exception as exc:  # a truncated file yields short tensor data
-        raise ModelFormatError(f"{path}: tensor {t.name!r} is truncated or corrupt ({exc})") from exc
-    return torch.from_numpy(arr.copy())

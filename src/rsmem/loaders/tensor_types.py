@@ -1,0 +1,208 @@
+"""GGUF tensor types: which ones load, how each is held in memory, and the checks on their bytes.
+
+Every float type and every quantized type the ``gguf`` package can dequantize loads (Q4_0 ... Q8_0, the
+K-quants Q2_K ... Q6_K, the IQ and TQ types, MXFP4, NVFP4). There are no kernels for quantized weights yet,
+so a quantized tensor is dequantized once, at load, with gguf-py's reference dequantizer (the one llama.cpp's
+own Python tools use) into float32; the model then casts its matrices to its compute dtype (bfloat16 with
+``dtype=torch.bfloat16``). :data:`HOLDING` says how each type is held: a later kernel that multiplies a type
+in its block form changes that type's entry and :func:`hold` (returning the blocks instead), not the reader.
+
+A tensor whose bytes are short (a truncated file), whose rows do not fill whole blocks, whose type rsmem
+cannot read, or whose dequantized values are not finite (corrupt block scales) is refused with a
+ModelFormatError naming the tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from rsmem.errors import ModelFormatError
+
+log = logging.getLogger("rsmem.loaders")
+Q = gguf.GGMLQuantizationType
+
+
+class Holding(Enum):
+    """How a tensor type is held once loaded."""
+
+    AS_STORED = "float32, as stored"
+    CONVERTED = "converted to float32 at load"
+    DEQUANTIZED = "dequantized to float32 at load"
+
+
+FLOAT_TYPES = {
+    Q.F32: Holding.AS_STORED,
+    Q.F16: Holding.CONVERTED,
+    Q.BF16: Holding.CONVERTED,
+    Q.F64: Holding.CONVERTED,
+}
+
+
+def _dequantizable(qtype: gguf.GGMLQuantizationType) -> bool:
+    """Whether gguf-py dequantizes ``qtype`` (asked with one zero block: its public API has no list)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if block_size == 1:  # F32, F16, BF16, F64 and the integer types: not quantized
+        return False
+    try:
+        gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+HOLDING: dict[gguf.GGMLQuantizationType, Holding] = {
+    **FLOAT_TYPES,
+    **{t: Holding.DEQUANTIZED for t in Q if _dequantizable(t)},
+}
+
+
+def loadable_type_names() -> list[str]:
+    return [t.name for t in HOLDING]
+
+
+class TensorDataError(ValueError):
+    """gguf's reader failed on one tensor (short data, rows not a whole number of blocks, unknown type)."""
+
+    def __init__(self, name: str, cause: BaseException) -> None:
+        super().__init__(f"tensor {name!r} is truncated or corrupt ({type(cause).__name__}: {cause})")
+        self.name = name
+
+
+class TensorNamingReader(gguf.GGUFReader):
+    """gguf's reader, building the tensor views one at a time so that a failure names its tensor (the
+    stock reader reports a truncated file as a bare numpy reshape error)."""
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        built: list[gguf.ReaderTensor] = []
+        for field in fields:
+            name = bytes(field.parts[1]).decode("utf-8", "replace")
+            try:
+                super()._build_tensors(start_offs, [field])
+            except Exception as exc:
+                raise TensorDataError(name, exc) from exc
+            built.extend(self.tensors)
+        seen: set[str] = set()
+        for t in built:
+            if t.name in seen:
+                raise ValueError(f"duplicated tensor name {t.name!r}")
+            seen.add(t.name)
+        self.tensors = built
+
+
+def open_reader(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+    """The file's reader; a tensor whose data the file cannot hold raises ModelFormatError naming it (any
+    other failure of the reader propagates for the caller to report)."""
+    try:
+        return TensorNamingReader(path)
+    except TensorDataError as exc:
+        raise ModelFormatError(f"{path}: {exc}") from exc
+
+
+def hold(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> torch.Tensor:
+    """The tensor as float32 in numpy order (ggml's shape reversed: a Linear weight reads ``[out, in]``),
+    held as :data:`HOLDING` says; ModelFormatError names the tensor if its type or bytes are unusable."""
+    holding = HOLDING.get(t.tensor_type)
+    if holding is None:
+        raise ModelFormatError(
+            f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which rsmem cannot load "
+            f"(loadable: {', '.join(loadable_type_names())})"
+        )
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    _check_size(t, source)
+    try:
+        with np.errstate(all="ignore"):  # non-finite values are reported below, by tensor
+            if t.tensor_type == Q.F64:
+                data = np.asarray(t.data, dtype=np.float32)
+            else:
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+    except Exception as exc:
+        raise ModelFormatError(f"{source}: tensor {t.name!r} is truncated or corrupt ({exc})") from exc
+    # F32 data is a view of the file's memory map: copy it; dequantized arrays are already fresh
+    tensor = torch.from_numpy(arr.copy() if np.may_share_memory(arr, t.data) else arr)
+    if holding is Holding.DEQUANTIZED and not bool(torch.isfinite(tensor).all()):
+        raise ModelFormatError(
+            f"{source}: tensor {t.name!r} ({t.tensor_type.name}) dequantizes to non-finite values: "
+            "its block scales are corrupt"
+        )
+    return tensor
+
+
+def _check_size(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> None:
+    block_size, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    row = int(t.shape[0]) if len(t.shape) else 1
+    if row % block_size:
+        raise ModelFormatError(
+            f"{source}: tensor {t.name!r} ({t.tensor_type.name}) has rows of {row} values, not a whole "
+            f"number of {block_size}-value blocks"
+        )
+    want = int(t.n_elements) // block_size * type_size
+    if t.data.nbytes != want:
+        raise ModelFormatError(
+            f"{source}: tensor {t.name!r} ({t.tensor_type.name}) holds {t.data.nbytes} bytes, "
+            f"expected {want} (truncated?)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TypeSummary:
+    """The tensors of one ggml type in a file, and how they are held once loaded."""
+
+    type_name: str
+    tensors: int
+    values: int
+    file_bytes: int
+    holding: Holding | None  # None: the type does not load
+
+    @property
+    def held_bytes(self) -> int:
+        return 4 * self.values if self.holding is not None else 0
+
+
+def summarize(tensors: Iterable[gguf.ReaderTensor]) -> list[TypeSummary]:
+    """One :class:`TypeSummary` per tensor type, most values first."""
+    counts: dict[gguf.GGMLQuantizationType, list[int]] = {}
+    for t in tensors:
+        c = counts.setdefault(t.tensor_type, [0, 0, 0])
+        c[0] += 1
+        c[1] += int(t.n_elements)
+        c[2] += int(t.n_bytes)
+    rows = [TypeSummary(q.name, n, v, b, HOLDING.get(q)) for q, (n, v, b) in counts.items()]
+    return sorted(rows, key=lambda s: -s.values)
+
+
+def file_summary(path: str | os.PathLike[str]) -> list[TypeSummary]:
+    """The tensor types of a GGUF file (reads the header and tensor table only)."""
+    return summarize(open_reader(path).tensors)
+
+
+def dequantized_note(source: str | os.PathLike[str], summary: Sequence[TypeSummary]) -> str | None:
+    """The one line saying which quantized types of a file were dequantized, or None if none were."""
+    parts = [
+        f"{s.type_name} ({s.tensors} tensor{'s' if s.tensors != 1 else ''})"
+        for s in summary
+        if s.holding is Holding.DEQUANTIZED
+    ]
+    if not parts:
+        return None
+    return f"{Path(source).name}: dequantized {', '.join(parts)} to float32 at load"
+
+
+def load_tensors(reader: gguf.GGUFReader, source: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of the file by name, held as :data:`HOLDING` says; logs one line (INFO, logger
+    ``rsmem.loaders``) naming the types that were dequantized."""
+    tensors = {t.name: hold(t, source) for t in reader.tensors}
+    note = dequantized_note(source, summarize(reader.tensors))
+    if note:
+        log.info(note)
+    return tensors
