@@ -89,6 +89,15 @@ class KVCacheContext:
         self._mask = torch.stack(masks).to(self.cache.device)
         return self._mask
 
+    def _streams(self, t: torch.Tensor, n_kv: int) -> torch.Tensor:
+        """``t[streams of the micro-batch, :n_kv]``: a view when they are consecutive (one stream, or the
+        usual ascending sequences), else a copy."""
+        streams = [st for st, _ in self.sinfo.groups]
+        if streams == list(range(streams[0], streams[0] + len(streams))):
+            return t[streams[0] : streams[0] + len(streams), :n_kv]
+        index = torch.tensor(streams, dtype=torch.long, device=t.device)
+        return t[:, :n_kv].index_select(0, index)
+
     def store_kv(self, il: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write layer ``il``'s keys and values of the micro-batch's tokens (``[n_tokens, ...]``, micro-batch
         order) into their cells."""
@@ -109,9 +118,8 @@ class KVCacheContext:
         n_head_kv, d_v = v.shape[1], v.shape[2]
         mask = self.mask()
         n_groups, n, n_kv = mask.shape
-        streams = torch.tensor([st for st, _ in self.sinfo.groups], dtype=torch.long, device=q.device)
-        keys = self.cache.k_l[il][:, :n_kv].index_select(0, streams).to(q.dtype)
-        values = self.cache.v_l[il][:, :n_kv].index_select(0, streams).to(q.dtype)
+        keys, values = self._streams(self.cache.k_l[il], n_kv), self._streams(self.cache.v_l[il], n_kv)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         keys = keys.view(n_groups, n_kv, n_head_kv, d_k).transpose(1, 2)  # [G, Hkv, n_kv, d_k]
         values = values.view(n_groups, n_kv, n_head_kv, d_v).transpose(1, 2)
         queries = q.reshape(n_groups, n, n_head, d_k).transpose(1, 2)  # [G, H, n, d_k]
