@@ -93,6 +93,31 @@ def test_boundaries_and_intervals_are_checkpointed():
     assert out.outputs[0].token_ids == fresh(model, other)
 
 
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_checkpoints_inside_a_prefill_are_captured_without_cutting_its_chunks(arch):
+    from rsmem.models import MambaConfig
+    from rsmem.models.random_init import random_mamba
+
+    if arch == "mamba":
+        model = random_mamba(MambaConfig(d_model=32, n_layer=2, n_vocab=N_VOCAB, d_state=8), seed=5)
+    else:
+        model = make_model("mamba2")
+    engine = engine_for(model, checkpoint_interval=8)
+    prompt = seq(2, 50)
+    rid = engine.add_request(prompt, GREEDY, boundaries=(13,))
+    engine.step()
+    assert engine.stats.steps == 1 and engine.stats.prompt_tokens == 50  # one chunk, not cut at 8, 13, ...
+    list(engine.run_until_done())
+    keys = {len(k) for k, _, _ in engine.checkpoints.tree.items()}
+    assert {8, 13, 16, 24, 32, 40, 48, 49} <= keys
+    for cut in (13, 24, 49):  # restored from a captured checkpoint: as if computed from the start
+        other = prompt[:cut] + seq(31, 7)
+        out = run(engine, other)
+        assert out.num_cached_tokens == cut
+        assert out.outputs[0].token_ids == fresh(model, other)
+    assert rid not in engine.requests
+
+
 def test_a_budget_too_small_for_any_checkpoint_still_generates_correctly():
     model = make_model("mamba2")
     engine = engine_for(model, cache_bytes=16)

@@ -154,8 +154,11 @@ class CheckpointCache:
     def take(self, tokens: Sequence[int], seq: int, kind: str) -> None:
         """Checkpoint ``seq``'s state as the state after ``tokens``."""
         ckpt = checkpoint.take(self.memory, seq, self.codec)
-        if ckpt is None or not tokens:
-            return
+        if ckpt is not None and tokens:
+            self.put(tokens, ckpt, kind)
+
+    def put(self, tokens: Sequence[int], ckpt: Checkpoint, kind: str) -> None:
+        """Keep a checkpoint taken just now (e.g. captured inside a decode) as the state after ``tokens``."""
         if self.add(tokens, ckpt, kind):
             self.stats.taken += 1
             self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1

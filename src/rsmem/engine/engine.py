@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from rsmem.context import Context
 from rsmem.engine.checkpoints import DEFAULT_DISK_BYTES, CheckpointCache
@@ -48,6 +48,8 @@ from rsmem.engine.status import EngineSnapshot, EngineStats, Health
 from rsmem.engine.tokenizer import TextTokenizer
 from rsmem.engine.validation import RequestBuilder, RequestLimits
 from rsmem.errors import InvalidRequestError
+from rsmem.memory.checkpoint import Checkpoint
+from rsmem.memory.recurrent import RecurrentMemory
 
 Prompt = str | Sequence[int]
 
@@ -119,6 +121,8 @@ class Engine:
         )
         self.kept = KeptSequences(context, self.pool, self.checkpoints)
         self.builder = RequestBuilder(self.limits, tokenizer)
+        # checkpoints inside a prefill are captured from the chunk (a recurrent memory) or cut there
+        self.captures = self.checkpoints is not None and isinstance(memory, RecurrentMemory)
         self.lifecycle = Lifecycle(memory, self.pool, self.checkpoints, self.stats, self.running)
         self.output = OutputProcessor(Sampler(), tokenizer, self.stats, self.lifecycle)
 
@@ -243,13 +247,15 @@ class Engine:
         """
         self._admit()
         cap = self.step_cost.prefill_cap() if self.prefill_cap is None else self.prefill_cap
-        plan = plan_step(self.running, self.max_batch_tokens, cap)
+        plan = plan_step(self.running, self.max_batch_tokens, cap, cut_at_checkpoints=not self.captures)
         touched: dict[str, Request] = {}
         if plan:
             batch = build_batch(plan)
+            capture = self._capture_points(plan) if self.captures else None
+            codec = self.checkpoints.codec if self.checkpoints is not None else "exact"
             t0 = time.perf_counter()
-            try:
-                self.ctx.decode(batch)  # on failure it has cleared the batch's sequences
+            try:  # on failure decode has cleared the batch's sequences
+                self.ctx.decode(batch, capture=capture or None, capture_codec=codec)
             except BaseException as exc:
                 self._fail_batch(plan, exc)
                 if not isinstance(exc, Exception):
@@ -315,9 +321,22 @@ class Engine:
         self.stats.cached_prompt_tokens += n
         self.stats.count_cache_use(kind)
 
+    def _capture_points(self, plan: list[Planned]) -> dict[int, list[int]]:
+        """The checkpoints due inside the plan's prompt chunks, by sequence (token counts)."""
+        points: dict[int, list[int]] = {}
+        for part in plan:
+            req = part.req
+            if part.completion is None and req.checkpoint_at:
+                start, end = req.n_prefilled, req.n_prefilled + part.n_tokens
+                due = [p for p in req.checkpoint_at if start < p <= end]
+                if due:
+                    points[req.prefill_seq] = due
+        return points
+
     def _commit(self, plan: list[Planned]) -> None:
         """The decode succeeded: prompts and replays advance, finished prompts fork into their other
         completions, and a suspect that produced output is trusted again."""
+        captured = self.ctx.captured() if self.captures else {}
         for part in plan:
             req, c = part.req, part.completion
             if part.output:
@@ -326,14 +345,31 @@ class Engine:
                 if not part.output:  # a replay chunk
                     del c.replay[: part.n_tokens]
                 continue
+            start = req.n_prefilled
             req.n_prefilled += part.n_tokens
             self.stats.prompt_tokens += part.n_tokens
-            if self.checkpoints is not None and req.n_prefilled in req.checkpoint_at:
-                self.checkpoints.take(req.prompt_tokens[: req.n_prefilled], req.prefill_seq, "prompt")
+            if self.checkpoints is not None:
+                self._keep_checkpoints(req, start, captured)
             if part.output:  # the prompt is in
                 for other in req.completions[1:]:
                     self.ctx.memory.seq_cp(req.prefill_seq, other.seq_id)
                 req.phase = Phase.DECODE
+
+    def _keep_checkpoints(
+        self, req: Request, start: int, captured: Mapping[tuple[int, int], Checkpoint]
+    ) -> None:
+        """Keep the checkpoints due in the chunk that just ran (captured inside it, or, for a context
+        that cannot capture, taken where the chunk was cut)."""
+        assert self.checkpoints is not None
+        for p in req.checkpoint_at:
+            if not start < p <= req.n_prefilled:
+                continue
+            if self.captures:
+                ckpt = captured.get((req.prefill_seq, p))
+                if ckpt is not None:
+                    self.checkpoints.put(req.prompt_tokens[:p], ckpt, "prompt")
+            elif p == req.n_prefilled:
+                self.checkpoints.take(req.prompt_tokens[:p], req.prefill_seq, "prompt")
 
     # ------------------------------------------------------------ failures
 

@@ -23,7 +23,9 @@ class Planned:
     output: bool  # this part's last token produces a logits row
 
 
-def plan_step(running: list[Request], budget: int, prefill_cap: int | None = None) -> list[Planned]:
+def plan_step(
+    running: list[Request], budget: int, prefill_cap: int | None = None, *, cut_at_checkpoints: bool = True
+) -> list[Planned]:
     """What the next batch holds, in batch order: decode tokens first, then replays and prompt chunks
     from what is left of the budget. A suspect request (see ``_fail_batch``) runs alone. Changes
     nothing.
@@ -32,6 +34,8 @@ def plan_step(running: list[Request], budget: int, prefill_cap: int | None = Non
     progress), then the others shortest-remaining first, so a short prompt arriving behind a long one
     is in the next step. While anything else runs (decodes, other prompts) a prompt gets at most
     ``prefill_cap`` tokens a step, which keeps steps short for the others; alone it gets the budget.
+    With ``cut_at_checkpoints`` a chunk ends where a checkpoint is due (for a context that cannot
+    capture states inside a micro-batch).
     """
     suspect = next((r for r in running if r.suspect), None)
     if suspect is not None:
@@ -63,16 +67,17 @@ def plan_step(running: list[Request], budget: int, prefill_cap: int | None = Non
         for req in [oldest, *rest]:
             if budget <= 0:
                 break
-            n = _chunk(req, min(budget, cap))
+            n = _chunk(req, min(budget, cap), cut_at_checkpoints)
             budget -= n
             plan.append(Planned(req, None, n, req.n_prefilled + n == len(req.prompt_tokens)))
     return plan
 
 
-def _chunk(req: Request, most: int) -> int:
-    """The next chunk of ``req``'s prompt: at most ``most`` tokens, ending where a checkpoint is due."""
+def _chunk(req: Request, most: int, cut: bool) -> int:
+    """The next chunk of ``req``'s prompt: at most ``most`` tokens (with ``cut``, ending where a
+    checkpoint is due)."""
     n = min(most, len(req.prompt_tokens) - req.n_prefilled)
-    stop = next((p for p in req.checkpoint_at if p > req.n_prefilled), None)
+    stop = next((p for p in req.checkpoint_at if p > req.n_prefilled), None) if cut else None
     if stop is not None:  # a chunk ends where a checkpoint is to be taken
         n = min(n, stop - req.n_prefilled)
     return n
