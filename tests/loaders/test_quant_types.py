@@ -215,3 +215,17 @@ def test_type_rsmem_cannot_load_is_named(tmp_path: Path, qtype: Q) -> None:
     named = rf"'blk\.0\.ssm_out\.weight' has type {qtype.name}, which rsmem cannot load"
     with pytest.raises(ModelFormatError, match=named):
         rsmem.load_model(p)
+
+
+def test_info_shows_how_each_type_is_held(capsys: pytest.CaptureFixture[str]) -> None:
+    from rsmem.cli import main
+
+    assert main(["info", str(FIXTURES / "mamba2" / "model-q4_k_m.gguf")]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " MB in file -> " in line]
+    held = {line[17:24].strip(): line.split(" -> ")[1] for line in lines}
+    assert held == {
+        "Q4_K": "dequantized to float32 at load (1.61 MB)",
+        "Q6_K": "dequantized to float32 at load (0.52 MB)",
+        "F32": "float32, as stored (0.02 MB)",
+    }
+    assert lines[0].startswith("tensor types:    Q4_K      2 tensors")

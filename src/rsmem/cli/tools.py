@@ -76,6 +76,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         if hasattr(cfg, key):
             print(f"{key + ':':<16} {getattr(cfg, key)}")
     print(f"parameters:      {n_params / 1e6:.2f} M")
+    _print_tensor_types(path)
     print(f"state per layer: r {model.n_embd_r} + s {model.n_embd_s} floats")
     print(f"state per seq:   {state} bytes ({state / 1024:.1f} KiB, f32)")
     how = "torch.compile" if getattr(model, "compile_decode", False) else "eager"
@@ -86,6 +87,22 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"eos {tokenizer.eos_token_id}"
         )
     return 0
+
+
+def _print_tensor_types(path: Path) -> None:
+    """Per tensor type of a GGUF file: how many, their bytes in the file and how rsmem holds them."""
+    from rsmem.loaders import is_gguf
+    from rsmem.loaders.tensor_types import file_summary
+
+    if not path.is_file() or not is_gguf(path):
+        return
+    for i, s in enumerate(file_summary(path)):
+        held = s.holding.value if s.holding is not None else "not loadable"
+        print(
+            f"{'tensor types:' if i == 0 else '':<16} {s.type_name:<7} {s.tensors:>3} tensor"
+            f"{'s' if s.tensors != 1 else ' '} {s.file_bytes / 1e6:9.2f} MB in file -> {held} "
+            f"({s.held_bytes / 1e6:.2f} MB)"
+        )
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
