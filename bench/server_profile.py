@@ -7,6 +7,7 @@ thread's CPU clock. Two phases:
 
 1. ``single``: C conversations x T turns one request at a time (an idle server), a ~400-word shared system
    prompt, max_tokens 32: the time to first token split into its stages, then the decode phase per token;
+   then short (a few tokens) streamed ``/v1/completions`` one at a time, their time to first token;
 2. ``load``: the same conversations all at once (as bench/server_vs_llamaserver.py's workload a): each
    thread's CPU time by stage. With ``--py-spy PATH`` a py-spy sampling of this phase also lists the
    functions with the most self time on the engine thread and on the event-loop thread.
@@ -146,6 +147,26 @@ def ask(client: httpx.Client, url: str, messages: list[dict[str, str]]) -> Sampl
     return sample
 
 
+def ask_short(client: httpx.Client, url: str, prompt: str) -> Sample:
+    """A streamed completion of a short prompt (max_tokens 8)."""
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True, "seed": 1}
+    body["stream_options"] = {"include_usage": True}
+    t_send = time.perf_counter()
+    times: list[float] = []
+    text, usage = "", {}
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                piece = chunk["choices"][0]["text"] if chunk["choices"] else None
+                if piece:
+                    times.append(time.perf_counter())
+                    text += piece
+    end = time.perf_counter()
+    return Sample(t_send, times[0] if times else end, end, times, text, usage.get("prompt_tokens", 0), 0)
+
+
 def conversation(client: httpx.Client, url: str, k: int, turns: int, system: str, out: list[Sample]) -> None:
     messages = [{"role": "system", "content": system}]
     for turn in range(turns):
@@ -157,10 +178,9 @@ def conversation(client: httpx.Client, url: str, k: int, turns: int, system: str
 
 
 def ttft_breakdown(probe: Probe, s: Sample, engine_tid: int) -> dict[str, float]:
-    """One idle-server request's time to first token, stage by stage (ms)."""
+    """One idle-server request's time to first token, stage by stage (ms). A completion request has no
+    chat template and is tokenised inside ``add_request``, on the engine thread."""
     ev = probe.between(s.t_send, s.t_first)
-    first = {name: min((e[2] for e in ev if e[0] == name), default=s.t_send) for name in ("chat template",)}
-    loop_encode = [e for e in ev if e[0] == "tokenize" and e[1] != engine_tid]
     add = [e for e in ev if e[0] == "validate+queue (add_request)"]
     sampled = [e for e in ev if e[0] == "sampling"]
     if not add or not sampled:
@@ -168,22 +188,30 @@ def ttft_breakdown(probe: Probe, s: Sample, engine_tid: int) -> dict[str, float]
     # the prefill steps: up to the one whose sampling gave the first token
     steps = [e for e in ev if e[0] == "engine step" and e[2] <= sampled[0][2]]
     ev = [e for e in ev if e[2] < steps[-1][3]]
-    template_end = max(e[3] for e in ev if e[0] == "chat template")
+    template = [e for e in ev if e[0] == "chat template"]
+    loop_encode = [e for e in ev if e[0] == "tokenize" and e[1] != engine_tid]
+    engine_encode = [e for e in ev if e[0] == "tokenize" and e[1] == engine_tid]
     inner = {name: sum(e[3] - e[2] for e in ev if e[0] == name) for name in ENGINE_INNER}
     step_total = sum(e[3] - e[2] for e in steps)
-    ms = {
-        "HTTP receive + JSON + pydantic, until the handler": first["chat template"] - s.t_send,
-        "chat template (render + message prefixes)": template_end - first["chat template"],
-        "tokenize (prompt + each message prefix)": sum(e[3] - e[2] for e in loop_encode),
-        "hand-off to the engine thread (runner.call)": add[0][2]
-        - (loop_encode[-1][3] if loop_encode else template_end),
-        "validate + queue (Engine.add_request)": add[0][3] - add[0][2],
-        "add -> first step (engine loop wake, admit)": steps[0][2] - add[0][3],
-    }
+    if template:
+        ms = {
+            "HTTP receive + JSON + pydantic, until the handler": template[0][2] - s.t_send,
+            "chat template (render + message prefixes)": template[-1][3] - template[0][2],
+            "tokenize (prompt + each message prefix, event loop)": sum(e[3] - e[2] for e in loop_encode),
+            "hand-off to the engine thread (runner.call)": add[0][2]
+            - (loop_encode[-1][3] if loop_encode else template[-1][3]),
+        }
+    else:
+        ms = {"HTTP receive + JSON + pydantic + hand-off to the engine thread": add[0][2] - s.t_send}
+    ms["validate + queue (Engine.add_request)"] = add[0][3] - add[0][2]
+    ms["  of which tokenize (engine thread)"] = sum(e[3] - e[2] for e in engine_encode)
+    ms["add -> first step (engine loop wake, admit)"] = steps[0][2] - add[0][3]
     ms |= {f"prefill steps: {k}": v for k, v in inner.items()}
     ms["prefill steps: engine other (admit, commit, bookkeeping)"] = step_total - sum(inner.values())
     ms["between prefill steps (runner loop)"] = (steps[-1][3] - steps[0][2]) - step_total
-    ms["last step end -> client has the chunk (deliver, chunk, SSE, HTTP)"] = s.t_first - steps[-1][3]
+    ms["first token's step end -> client has text (deliver, SSE, HTTP; held-back text)"] = (
+        s.t_first - steps[-1][3]
+    )
     ms["= TTFT"] = s.t_first - s.t_send
     batches = [n for t, n in probe.decoded if steps[0][2] <= t <= steps[-1][3]]
     counts = {"(prefill steps)": len(steps), "(prefill tokens computed)": sum(batches)}
@@ -288,6 +316,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--system-words", type=int, default=400)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shorts", type=int, default=10, help="short completion requests, one at a time")
     ap.add_argument("--py-spy", default=None, help="py-spy binary: also sample the load phase")
     args = ap.parse_args()
     probe = Probe()
@@ -316,6 +345,10 @@ def main() -> None:
         rows = [r for r in (ttft_breakdown(probe, s, tids["engine"]) for s in samples) if r]
         print_table("single: time to first token, turns >= 2, idle server", rows)
         print_table("single: decode phase, per streamed chunk", [decode_breakdown(probe, s) for s in samples])
+        with httpx.Client(timeout=600) as client:
+            shorts = [ask_short(client, url, f"{QUESTIONS[k % 5]} ({k})") for k in range(args.shorts)]
+        rows = [r for r in (ttft_breakdown(probe, s, tids["engine"]) for s in shorts) if r]
+        print_table("single: time to first token of a short /v1/completions prompt, idle server", rows)
         load_phase(probe, url, args, system, tids)
     finally:
         server.should_exit = True

@@ -1,8 +1,8 @@
 """``rsmem serve`` against llama.cpp's ``llama-server`` (b11312) on the same GGUF, slots and threads.
 
-Both servers run as subprocesses on 127.0.0.1 with 4 slots, 2 threads and their prompt caches on (llama-server
-``-np 4 -c 4*CTX -t 2 -tb 2``, cache_prompt by default; ``rsmem serve -np 4 -t 2``, prefix cache on by
-default).
+Both servers run as subprocesses on 127.0.0.1 with 4 slots, ``--threads`` threads (default 2) and their
+prompt caches on (llama-server ``-np 4 -c 4*CTX -t N -tb N``, cache_prompt by default; ``rsmem serve -np 4
+-t N``, prefix cache on by default).
 llama-server gets a chat template file that renders rsmem's plain template, so both see the same prompts;
 every request asks for ``stop: ["\\nUser:"]``, temperature 0 and a fixed seed. Workloads:
 
@@ -46,7 +46,7 @@ import itertools
 from llamaserver_build import DEFAULT_BUILD_DIR, ensure_llama_server
 
 CACHE = Path.home() / ".cache" / "rsmem-bench"
-SLOTS, THREADS, CTX = 4, 2, 8192
+SLOTS, CTX = 4, 8192
 STOP = ["\nUser:"]
 PASSAGE = (
     "Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds that "
@@ -161,11 +161,20 @@ def make_server(name: str, gguf_path: Path, args: argparse.Namespace, tmp: Path)
         template = tmp / "plain.jinja"
         template.write_text(PLAIN_TEMPLATE)
         cmd = [str(args.llama_server), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port)]
-        cmd += ["-np", str(SLOTS), "-c", str(SLOTS * CTX), "-t", str(THREADS), "-tb", str(THREADS)]
+        cmd += ["-np", str(SLOTS), "-c", str(SLOTS * CTX), "-t", str(args.threads), "-tb", str(args.threads)]
         cmd += ["--chat-template-file", str(template), "--no-webui"]
     else:
         cmd = [str(Path(sys.executable).parent / "rsmem"), "serve", "-m", str(gguf_path), "--port", str(port)]
-        cmd += ["-np", str(SLOTS), "-t", str(THREADS), "--max-prompt-tokens", str(CTX), "--max-queue", "256"]
+        cmd += [
+            "-np",
+            str(SLOTS),
+            "-t",
+            str(args.threads),
+            "--max-prompt-tokens",
+            str(CTX),
+            "--max-queue",
+            "256",
+        ]
     return Server(name, cmd, port, tmp / f"{name}.log")
 
 
@@ -175,7 +184,7 @@ def make_server(name: str, gguf_path: Path, args: argparse.Namespace, tmp: Path)
 @dataclass
 class Result:
     ttft: float
-    gaps: list[float]  # between successive chunks that carried text
+    gaps: list[float]  # between successive chunks that carried text (bursts of chunks give ~0 gaps)
     tokens: int
     text: str
     prompt_tokens: int
@@ -221,12 +230,14 @@ def pct(xs: list[float], q: float) -> float:
 
 def latency_figures(results: list[Result], ttfts: list[float], wall: float) -> dict[str, float]:
     gaps = [g for r in results for g in r.gaps]
+    tpot = [sum(r.gaps) / (r.tokens - 1) for r in results if r.tokens > 1 and r.gaps]
     return {
         "TTFT p50 ms": 1e3 * pct(ttfts, 50),
         "TTFT p90 ms": 1e3 * pct(ttfts, 90),
         "TTFT p99 ms": 1e3 * pct(ttfts, 99),
         "ITL p50 ms": 1e3 * pct(gaps, 50),
         "ITL p99 ms": 1e3 * pct(gaps, 99),
+        "TPOT p50 ms": 1e3 * pct(tpot, 50),
         "gen tok/s": sum(r.tokens for r in results) / wall,
         "wall s": wall,
         "prompt tok": float(sum(r.prompt_tokens for r in results)),
@@ -338,10 +349,14 @@ def summarize(name: str, runs: dict[str, list[dict[str, float]]]) -> None:
     print("| metric | llama-server | rsmem | rsmem/llama (median) | worst round for rsmem |")
     print("|---|---|---|---|---|")
     for key in rs[0]:
-        ratios = [r[key] / b[key] if b[key] else float("nan") for r, b in zip(rs, llama, strict=True)]
-        worst = min(ratios) if key in HIGHER_IS_BETTER else max(ratios)
+        ratios = [r[key] / b[key] for r, b in zip(rs, llama, strict=True) if b[key] > 0.1]
         lm, rm = statistics.median(x[key] for x in llama), statistics.median(x[key] for x in rs)
-        print(f"| {key} | {lm:.1f} | {rm:.1f} | {statistics.median(ratios):.2f} | {worst:.2f} |")
+        if ratios:
+            worst = min(ratios) if key in HIGHER_IS_BETTER else max(ratios)
+            shown = f"{statistics.median(ratios):.2f} | {worst:.2f}"
+        else:
+            shown = "n/a | n/a"
+        print(f"| {key} | {lm:.1f} | {rm:.1f} | {shown} |")
 
 
 def run_model(label: str, gguf_path: Path, args: argparse.Namespace) -> None:
@@ -365,12 +380,14 @@ def run_model(label: str, gguf_path: Path, args: argparse.Namespace) -> None:
                         shown = ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
                         print(f"[{label}] round {rnd + 1} {name:<5} {w}: {shown}", flush=True)
                 except Exception:
-                    print((Path(tmp) / f"{name}.log").read_text()[-3000:], file=sys.stderr)
+                    kept = CACHE / f"failed-{name}.log"
+                    kept.write_bytes((Path(tmp) / f"{name}.log").read_bytes())
+                    print(f"{name} failed; its log: {kept}", file=sys.stderr)
                     raise
                 finally:
                     server.stop()
                 print(f"[{label}] round {rnd + 1} {name:<5} started in {startup:.1f} s", flush=True)
-    print(f"\n## {label} ({gguf_path.name}), {SLOTS} slots, {THREADS} threads")
+    print(f"\n## {label} ({gguf_path.name}), {SLOTS} slots, {args.threads} threads")
     titles = {
         "a": f"(a) chat {args.conversations} conv x {args.turns} turns, TTFT of turns >= 2",
         "b": f"(b) {args.requests} concurrent completions, prompts 8..{args.max_len} tokens",
@@ -385,6 +402,7 @@ def main() -> None:
     ap.add_argument("--model", choices=["embedded", "130m", "both"], default="embedded")
     ap.add_argument("--arch130", choices=["mamba", "mamba2"], default="mamba2", help="the 130M model's arch")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="llama-server -t/-tb, rsmem serve -t")
     ap.add_argument("--workloads", default="a,b,c", help="comma-separated subset of a,b,c")
     ap.add_argument("--quick", action="store_true", help="1 round, smaller workloads")
     ap.add_argument("--conversations", type=int, default=3)
