@@ -49,3 +49,11 @@ def test_fork_and_partial_removal(model, unified: bool) -> None:
     torch.testing.assert_close(got, fresh.logits, atol=2e-5, rtol=0)
     assert mem.seq_pos_max(0) == len(PROMPT) - 1 and mem.seq_pos_max(1) == len(PROMPT) + 1
     mem.check_invariants()
+
+
+def test_sizes(model) -> None:
+    mem = Context(model, n_seq_max=2, n_ctx=512).memory
+    assert isinstance(mem, HybridMemory)
+    assert mem.kv_bytes_per_token() == 2 * 32 * 4  # one attention layer, K and V of 2 heads x 16, f32
+    assert mem.state_bytes_per_seq() == 2 * (3 * 160 + 16 * 128) * 4  # two Mamba-2 layers
+    assert mem.total_size() == 2 * 256 * 2 * 32 * 4 + 2 * mem.state_bytes_per_seq()

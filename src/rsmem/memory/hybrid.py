@@ -184,6 +184,14 @@ class HybridMemory:
     def total_size(self) -> int:
         return self.kv.total_size() + self.recurrent.total_size()
 
+    def state_bytes_per_seq(self) -> int:
+        """Bytes of one sequence's recurrent state (all recurrent layers)."""
+        return self.recurrent.state_bytes_per_seq()
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes one token takes in the cache (all attention layers)."""
+        return self.kv.bytes_per_token()
+
     # ---------------------------------------------------- sequence operations
 
     def clear(self, data: bool = True) -> None:
