@@ -118,3 +118,24 @@ def test_rwkv6_gguf_and_rescaled_layers(tmp_path) -> None:
         outs.append(ctx.logits)
     err = (outs[1] - outs[0]).abs().max().item()
     assert err <= 1e-5 * outs[0].abs().max().item()
+
+
+def test_bf16_matrices(gguf_path, tmp_path) -> None:
+    """``load_model(dtype=bfloat16)`` (``--bf16``) keeps the big matrices and the head in bf16, the rest
+    float32; logits stay near the float32 model's."""
+    outs = []
+    for path, dtype in (
+        (gguf_path, torch.float32),
+        (gguf_path, torch.bfloat16),
+        (rwkv6_gguf(tmp_path, 0), None),
+    ):
+        model = rsmem.load_model(path, dtype=dtype or torch.bfloat16)
+        ly = model.layers[0]
+        assert ly.key.dtype == model.lm_head.dtype == (dtype or torch.bfloat16)
+        assert ly.attn_norm.dtype == torch.float32
+        ctx = Context(model)
+        ctx.decode(Batch(PROMPT, logits=[True] * len(PROMPT)))
+        assert ctx.logits.dtype == torch.float32 and torch.isfinite(ctx.logits).all()
+        outs.append(ctx.logits)
+    assert (outs[1] - outs[0]).abs().max() <= 0.05 * outs[0].abs().max()
+    assert (outs[1] - outs[0]).abs().max() > 0  # bf16 did round something

@@ -71,15 +71,16 @@ def config_from_gguf(
         raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
 
 
-def build_rwkv(ckpt: Checkpoint) -> Rwkv7Model | Rwkv6Model:
+def build_rwkv(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> Rwkv7Model | Rwkv6Model:
+    """The model of ``ckpt``; ``dtype``: its big matrices' (float32 or bfloat16)."""
     if ckpt.arch == "rwkv7":
-        return _rwkv7(ckpt)
+        return _rwkv7(ckpt, dtype)
     if ckpt.arch == "rwkv6":
-        return build_rwkv6(ckpt)
+        return build_rwkv6(ckpt, dtype)
     raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
 
 
-def _rwkv7(ckpt: Checkpoint) -> Rwkv7Model:
+def _rwkv7(ckpt: Checkpoint, dtype: torch.dtype) -> Rwkv7Model:
     cfg = ckpt.config
     assert isinstance(cfg, Rwkv7Config)
     d, f = cfg.d_model, cfg.d_ff
@@ -139,7 +140,7 @@ def _rwkv7(ckpt: Checkpoint) -> Rwkv7Model:
         norm_f_b=ckpt.get(name(T.OUTPUT_NORM, None, ".bias"), (d,)),
         lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
     )
-    return Rwkv7Model(cfg, weights)
+    return Rwkv7Model(cfg, weights, dtype=dtype)
 
 
 # ------------------------------------------------------------------ BlinkDL checkpoints

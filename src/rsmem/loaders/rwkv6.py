@@ -57,7 +57,7 @@ def rwkv6_config(
         raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
 
 
-def build_rwkv6(ckpt: Checkpoint) -> Rwkv6Model:
+def build_rwkv6(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> Rwkv6Model:
     cfg = ckpt.config
     assert isinstance(cfg, Rwkv6Config)
     d, f, e, de = cfg.d_model, cfg.d_ff, cfg.time_mix_extra_dim, cfg.time_decay_extra_dim
@@ -110,7 +110,7 @@ def build_rwkv6(ckpt: Checkpoint) -> Rwkv6Model:
         norm_f_b=ckpt.get(name(T.OUTPUT_NORM, None, ".bias"), (d,)),
         lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
     )
-    return Rwkv6Model(cfg, weights)
+    return Rwkv6Model(cfg, weights, dtype=dtype)
 
 
 def rwkv6_from_blink(sd: Mapping[str, torch.Tensor]) -> tuple[Rwkv6Config, dict[str, torch.Tensor]]:

@@ -24,7 +24,7 @@ from rsmem.batch.batch import UBatch
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.wkv6 import wkv6_chunked_, wkv6_step_
 from rsmem.models.protocol import StateAccess
-from rsmem.models.rwkv7 import GROUP_NORM_EPS, token_shift
+from rsmem.models.rwkv7 import GROUP_NORM_EPS, mm, token_shift
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -102,9 +102,14 @@ class Rwkv6Model:
 
     arch = "rwkv6"
     compile_decode = False
+    matrices = ("receptance", "key", "value", "gate", "output", "ffn_key", "ffn_value", "ffn_receptance")
 
-    def __init__(self, config: Rwkv6Config, weights: Rwkv6Weights) -> None:
+    def __init__(
+        self, config: Rwkv6Config, weights: Rwkv6Weights, *, dtype: torch.dtype = torch.float32
+    ) -> None:
+        """``dtype``: the big matrices' and the head's (float32 or bfloat16); everything else is float32."""
         self.config = config
+        self.dtype = dtype
         self.n_vocab = config.n_vocab
         self.n_layer = config.n_layer
         self.n_embd_r = 2 * config.d_model
@@ -114,9 +119,14 @@ class Rwkv6Model:
         self.embedding = weights.embedding.to(f32).contiguous()
         self.emb_norm, self.emb_norm_b = weights.emb_norm.to(f32), weights.emb_norm_b.to(f32)
         self.norm_f, self.norm_f_b = weights.norm_f.to(f32), weights.norm_f_b.to(f32)
-        self.lm_head = weights.lm_head.to(f32).contiguous()
+        self.lm_head = weights.lm_head.to(dtype).contiguous()
         self.layers = [
-            Rwkv6Layer(**{name: getattr(ly, name).to(f32).contiguous() for name in Rwkv6Layer.__slots__})
+            Rwkv6Layer(
+                **{
+                    name: getattr(ly, name).to(dtype if name in self.matrices else f32).contiguous()
+                    for name in Rwkv6Layer.__slots__
+                }
+            )
             for ly in weights.layers
         ]
 
@@ -150,7 +160,7 @@ class Rwkv6Model:
             states.write_states(il, torch.stack([h[:, -1], f[:, -1]], dim=1), wkv)
         x = output_rows(x, ubatch.output_rows())
         x = F.layer_norm(x, (c,), self.norm_f, self.norm_f_b, cfg.eps)
-        return F.linear(x, self.lm_head)
+        return mm(x, self.lm_head)
 
     def time_mix(
         self, ly: Rwkv6Layer, x: torch.Tensor, prev: torch.Tensor, wkv: torch.Tensor
@@ -163,10 +173,10 @@ class Rwkv6Model:
         mixer = torch.tanh(F.linear(x + sx * ly.lerp_x, ly.w1)).view(n_seqs, n_tokens, 5, -1)
         offsets = torch.einsum("blge,gce->blgc", mixer, ly.w2)  # [Bs, L, 5, C]
         xw, xk, xv, xr, xg = (x.unsqueeze(2) + sx.unsqueeze(2) * (offsets + ly.lerp)).unbind(2)
-        r = F.linear(xr, ly.receptance).view(heads)
-        k = F.linear(xk, ly.key).view(heads)
-        v = F.linear(xv, ly.value).view(heads)
-        g = F.silu(F.linear(xg, ly.gate))
+        r = mm(xr, ly.receptance).view(heads)
+        k = mm(xk, ly.key).view(heads)
+        v = mm(xv, ly.value).view(heads)
+        g = F.silu(mm(xg, ly.gate))
         log_w = -torch.exp(ly.decay + F.linear(torch.tanh(F.linear(xw, ly.decay_w1)), ly.decay_w2)).view(
             heads
         )
@@ -175,10 +185,10 @@ class Rwkv6Model:
         else:
             y = wkv6_chunked_(wkv, r, log_w, k, v, ly.first, cfg.chunk_size)
         y = F.group_norm(y.reshape(-1, c), cfg.n_head, ly.ln_x, ly.ln_x_b, GROUP_NORM_EPS)
-        return F.linear(y.view(n_seqs, n_tokens, c) * g, ly.output)
+        return mm(y.view(n_seqs, n_tokens, c) * g, ly.output)
 
     def channel_mix(self, ly: Rwkv6Layer, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         sx = prev - x
-        r = torch.sigmoid(F.linear(x + sx * ly.ffn_lerp_r, ly.ffn_receptance))
-        k = torch.relu(F.linear(x + sx * ly.ffn_lerp_k, ly.ffn_key)).square()
-        return r * F.linear(k, ly.ffn_value)
+        r = torch.sigmoid(mm(x + sx * ly.ffn_lerp_r, ly.ffn_receptance))
+        k = torch.relu(mm(x + sx * ly.ffn_lerp_k, ly.ffn_key)).square()
+        return r * mm(k, ly.ffn_value)

@@ -104,8 +104,15 @@ class Rwkv7Weights:
     lm_head: torch.Tensor  # [n_vocab, n_embd]
 
 
-def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.to(torch.float32).contiguous()
+def _held(t: torch.Tensor | None, matrix: bool, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype if matrix else torch.float32).contiguous()
+
+
+def mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a matrix ``[out, in]`` held in float32 or bfloat16; float32 out."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight)
+    return F.linear(x.to(weight.dtype), weight).float()
 
 
 def token_shift(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -118,9 +125,14 @@ class Rwkv7Model:
 
     arch = "rwkv7"
     compile_decode = False
+    matrices = ("receptance", "key", "value", "output", "ffn_key", "ffn_value")  # held in ``dtype``
 
-    def __init__(self, config: Rwkv7Config, weights: Rwkv7Weights) -> None:
+    def __init__(
+        self, config: Rwkv7Config, weights: Rwkv7Weights, *, dtype: torch.dtype = torch.float32
+    ) -> None:
+        """``dtype``: the big matrices' and the head's (float32 or bfloat16); everything else is float32."""
         self.config = config
+        self.dtype = dtype
         self.n_vocab = config.n_vocab
         self.n_layer = config.n_layer
         self.n_embd_r = 2 * config.d_model
@@ -131,11 +143,15 @@ class Rwkv7Model:
         self.emb_norm_b = weights.emb_norm_b.to(torch.float32)
         self.norm_f = weights.norm_f.to(torch.float32)
         self.norm_f_b = weights.norm_f_b.to(torch.float32)
-        self.lm_head = weights.lm_head.to(torch.float32).contiguous()
-        self.layers = [
-            Rwkv7Layer(**{name: _f32(getattr(ly, name)) for name in Rwkv7Layer.__slots__})  # type: ignore[arg-type]
-            for ly in weights.layers
-        ]
+        self.lm_head = weights.lm_head.to(dtype).contiguous()
+        self.layers = [self._held_layer(ly, dtype) for ly in weights.layers]
+
+    def _held_layer(self, ly: Rwkv7Layer, dtype: torch.dtype) -> Rwkv7Layer:
+        """A copy of ``ly``: the matrices of :attr:`matrices` in ``dtype``, every other tensor float32."""
+        fields = {
+            name: _held(getattr(ly, name), name in self.matrices, dtype) for name in Rwkv7Layer.__slots__
+        }
+        return Rwkv7Layer(**fields)  # type: ignore[arg-type]
 
     def is_recurrent_layer(self, il: int) -> bool:
         return True
@@ -167,7 +183,7 @@ class Rwkv7Model:
             states.write_states(il, torch.stack([h[:, -1], f[:, -1]], dim=1), wkv)
         x = output_rows(x, ubatch.output_rows())
         x = F.layer_norm(x, (c,), self.norm_f, self.norm_f_b, cfg.eps)
-        return F.linear(x, self.lm_head)
+        return mm(x, self.lm_head)
 
     def time_mix(
         self,
@@ -183,10 +199,10 @@ class Rwkv7Model:
         n_seqs, n_tokens, c = x.shape
         heads = (n_seqs, n_tokens, cfg.n_head, cfg.head_size)
         xr, xw, xk, xv, xa, xg = (x + (prev - x) * ly.lerp.view(6, 1, 1, c)).unbind(0)
-        r = F.linear(xr, ly.receptance)
+        r = mm(xr, ly.receptance)
         log_w = -DECAY_SCALE * torch.sigmoid(ly.w0 + F.linear(torch.tanh(F.linear(xw, ly.w1)), ly.w2))
-        k = F.linear(xk, ly.key)
-        v = F.linear(xv, ly.value)
+        k = mm(xk, ly.key)
+        v = mm(xv, ly.value)
         if v_first is None:
             v_first = v
         else:
@@ -204,8 +220,8 @@ class Rwkv7Model:
             y = wkv7_chunked_(wkv, rh, log_w.view(heads), kh, vh, -kk, kk * ah, cfg.chunk_size)
         y = F.group_norm(y.reshape(-1, c), cfg.n_head, ly.ln_x, ly.ln_x_b, GROUP_NORM_EPS).view(heads)
         y = y + (rh * kh * ly.r_k.view(cfg.n_head, cfg.head_size)).sum(-1, keepdim=True) * vh
-        return F.linear(y.reshape(n_seqs, n_tokens, c) * g, ly.output), v_first
+        return mm(y.reshape(n_seqs, n_tokens, c) * g, ly.output), v_first
 
     def channel_mix(self, ly: Rwkv7Layer, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        k = torch.relu(F.linear(x + (prev - x) * ly.ffn_lerp_k, ly.ffn_key)).square()
-        return F.linear(k, ly.ffn_value)
+        k = torch.relu(mm(x + (prev - x) * ly.ffn_lerp_k, ly.ffn_key)).square()
+        return mm(k, ly.ffn_value)
