@@ -159,3 +159,27 @@ def test_rollback_cuts_both_parts_and_refuses_deeper_cuts_unchanged(model) -> No
     fresh.decode(Batch([*PROMPT[:9], 50, 51], logits=[False] * 9 + [True, True]))
     torch.testing.assert_close(got, fresh.logits, atol=2e-5, rtol=0)
     mem.check_invariants()
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_a_placed_micro_batch_runs_in_column_slices(model, unified: bool) -> None:
+    """A Context may run a placed micro-batch as column slices (rsmem.memory.capture.column_slices): the
+    attention of each slice stores its own tokens and sees the earlier ones; logits equal the whole run."""
+    from rsmem.batch.allocator import BatchAllocator
+    from rsmem.memory.capture import column_slices
+
+    batch = Batch.from_sequences({0: PROMPT, 2: PROMPT[::-1]}, all_logits=True)
+    whole = _ctx(model, unified)
+    whole.decode(batch)
+    ctx = _ctx(model, unified)
+    balloc = BatchAllocator()
+    balloc.init(batch, n_vocab=model.n_vocab, n_seq_max=3, memory=ctx.memory)
+    mctx = _mem(ctx).init_batch(balloc, 512)
+    mctx.apply()
+    got = torch.empty_like(whole.logits)
+    with torch.inference_mode():
+        for part in column_slices(mctx.ubatch, [2, 7]):
+            rows = [part.batch_index[i] for i in part.output_rows()]
+            got[rows] = model.forward(part, mctx)
+    assert not mctx.next()
+    torch.testing.assert_close(got, whole.logits, atol=2e-5, rtol=0)

@@ -94,9 +94,15 @@ class ReplayStates:
         self._scratch.write_states(il, r_out, s_out)
 
     def attention(
-        self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        il: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        ubatch: UBatch | None = None,
     ) -> torch.Tensor:
-        del k, v  # the cache holds them already, computed from the same tokens
+        del k, v, ubatch  # the cache holds them already, computed from the same tokens
         return attend_stored(self._kv, il, self._seq, self._pos, q, scale)
 
 
@@ -335,7 +341,13 @@ class HybridMemoryContext:
         self._parts()[0].write_states(il, r_out, s_out)
 
     def attention(
-        self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        il: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        ubatch: UBatch | None = None,
     ) -> torch.Tensor:
         """See :meth:`~rsmem.memory.kv_attention.KVCacheContext.attention`."""
-        return self._parts()[1].attention(il, q, k, v, scale)
+        return self._parts()[1].attention(il, q, k, v, scale, ubatch)

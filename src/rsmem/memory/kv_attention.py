@@ -98,26 +98,52 @@ class KVCacheContext:
         index = torch.tensor(streams, dtype=torch.long, device=t.device)
         return t[:, :n_kv].index_select(0, index)
 
-    def store_kv(self, il: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _slice(self, ubatch: UBatch | None) -> torch.Tensor | None:
+        """Positions in the placed micro-batch of ``ubatch``'s tokens when it is a column slice of it (a
+        Context that runs a micro-batch in parts); None for the whole micro-batch."""
+        full = self.ubatch
+        if ubatch is None or ubatch is full or ubatch.batch_index == full.batch_index:
+            return None
+        where = {b: i for i, b in enumerate(full.batch_index)}
+        return torch.tensor([where[b] for b in ubatch.batch_index], dtype=torch.long)
+
+    def store_kv(self, il: int, k: torch.Tensor, v: torch.Tensor, ubatch: UBatch | None = None) -> None:
         """Write layer ``il``'s keys and values of the micro-batch's tokens (``[n_tokens, ...]``, micro-batch
-        order) into their cells."""
+        order; or of ``ubatch``'s, a column slice of it) into their cells."""
         k_all, v_all = self.cache.k_l[il], self.cache.v_l[il]
         index = self._row_index()
+        part = self._slice(ubatch)
+        if part is not None:
+            index = index[part.to(index.device)]
         n_tokens = index.numel()
         k_all.view(-1, k_all.shape[-1]).index_copy_(0, index, k.reshape(n_tokens, -1).to(k_all.dtype))
         v_all.view(-1, v_all.shape[-1]).index_copy_(0, index, v.reshape(n_tokens, -1).to(v_all.dtype))
 
     def attention(
-        self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        il: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        ubatch: UBatch | None = None,
     ) -> torch.Tensor:
         """Store ``k``, ``v`` and attend: ``q`` ``[n_tokens, n_head, d_k]``, ``k`` ``[n_tokens, n_head_kv,
-        d_k]``, ``v`` ``[n_tokens, n_head_kv, d_v]``, in micro-batch order. Returns ``[n_tokens, n_head *
-        d_v]`` (float32 when ``q`` is)."""
-        self.store_kv(il, k, v)
+        d_k]``, ``v`` ``[n_tokens, n_head_kv, d_v]``, in micro-batch order. ``ubatch``: the tokens'
+        micro-batch when it is a column slice of the placed one (its cells were placed whole; a later
+        column's cells are masked out by position). Returns ``[n_tokens, n_head * d_v]`` (float32 when
+        ``q`` is)."""
+        self.store_kv(il, k, v, ubatch)
         n_head, d_k = q.shape[1], q.shape[2]
         n_head_kv, d_v = v.shape[1], v.shape[2]
         mask = self.mask()
-        n_groups, n, n_kv = mask.shape
+        n_groups, _, n_kv = mask.shape
+        part = self._slice(ubatch)
+        if (
+            part is not None
+        ):  # the slice's rows of the mask, still grouped (a slice takes columns of each set)
+            mask = mask.reshape(-1, n_kv)[part.to(mask.device)].view(n_groups, -1, n_kv)
+        n = mask.shape[1]
         keys, values = self._streams(self.cache.k_l[il], n_kv), self._streams(self.cache.v_l[il], n_kv)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
         keys = keys.view(n_groups, n_kv, n_head_kv, d_k).transpose(1, 2)  # [G, Hkv, n_kv, d_k]

@@ -34,10 +34,17 @@ class HybridStates(StateAccess, Protocol):
     """The memory context as a hybrid model's forward sees it (``HybridMemoryContext``)."""
 
     def attention(
-        self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        il: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        ubatch: UBatch | None = None,
     ) -> torch.Tensor:
-        """Store ``k``, ``v`` ``[n_tokens, n_head_kv, d]`` of the micro-batch's tokens in layer ``il``'s cache
-        and attend with ``q`` ``[n_tokens, n_head, d]``; returns ``[n_tokens, n_head * d]``."""
+        """Store ``k``, ``v`` ``[n_tokens, n_head_kv, d]`` of ``ubatch``'s tokens (the micro-batch the forward
+        runs: a column slice of the placed one when the Context runs it in parts) in layer ``il``'s cache and
+        attend with ``q`` ``[n_tokens, n_head, d]``; returns ``[n_tokens, n_head * d]``."""
         ...
 
 
@@ -69,9 +76,10 @@ class Attention:
     n_rot: int = 0
 
     def forward(
-        self, il: int, h: torch.Tensor, pos: torch.Tensor, states: HybridStates, eps: float
+        self, il: int, h: torch.Tensor, ubatch: UBatch, states: HybridStates, eps: float
     ) -> torch.Tensor:
-        """``h`` ``[Bs, L, d_model]`` (normed input) -> ``[Bs, L, d_model]``; ``pos`` ``[Bs * L]``."""
+        """``h`` ``[Bs, L, d_model]`` (normed input) of ``ubatch``'s tokens -> ``[Bs, L, d_model]``."""
+        pos = torch.tensor(ubatch.pos, dtype=torch.long)
         n_seqs, n_tokens, _ = h.shape
         flat = h.reshape(n_seqs * n_tokens, -1)
         q = F.linear(flat, self.wq).view(-1, self.n_head, self.head_dim)
@@ -84,7 +92,7 @@ class Attention:
                 rope_neox(q, pos, self.rope_base, self.n_rot),
                 rope_neox(k, pos, self.rope_base, self.n_rot),
             )
-        out = states.attention(il, q, k, v, 1.0 / math.sqrt(self.head_dim))
+        out = states.attention(il, q, k, v, 1.0 / math.sqrt(self.head_dim), ubatch)
         return F.linear(out, self.wo).view(n_seqs, n_tokens, -1)
 
     def k_shift(self, rows: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -183,12 +191,11 @@ class Lfm2Model:
         cfg = self.config
         tokens = ubatch.token_tensor()  # [Bs, L]
         n_seqs = tokens.shape[0]
-        pos = torch.tensor(ubatch.pos, dtype=torch.long)
         x = self.embedding[tokens]  # [Bs, L, d_model]
         for il, ly in enumerate(self.layers):
             h = rms_norm(x, ly.attn_norm, cfg.eps)
             if ly.attention is not None:
-                x = x + ly.attention.forward(il, h, pos, hybrid, cfg.eps)
+                x = x + ly.attention.forward(il, h, ubatch, hybrid, cfg.eps)
             else:
                 x = x + self.short_conv(il, ly, h, hybrid, n_seqs)
             x = x + swiglu(rms_norm(x, ly.ffn_norm, cfg.eps), ly.ffn_gate, ly.ffn_up, ly.ffn_down)

@@ -136,14 +136,13 @@ class NemotronHModel:
         hybrid = cast(HybridStates, states)  # RecurrentModel's signature; attention needs HybridStates
         cfg = self.config
         tokens = ubatch.token_tensor()  # [Bs, L]
-        pos = torch.tensor(ubatch.pos, dtype=torch.long)
         x = self.embedding[tokens]
         for il, ly in enumerate(self.layers):
             h = rms_norm(x, ly.norm, cfg.eps)
             if ly.mixer is not None:
                 x = x + self.mamba2(il, ly.mixer, h, hybrid)
             elif ly.attention is not None:
-                x = x + ly.attention.forward(il, h, pos, hybrid, cfg.eps)
+                x = x + ly.attention.forward(il, h, ubatch, hybrid, cfg.eps)
             else:
                 assert ly.ffn_up is not None and ly.ffn_down is not None
                 x = x + F.linear(torch.relu(F.linear(h, ly.ffn_up)).square(), ly.ffn_down)
