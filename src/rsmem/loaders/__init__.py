@@ -13,6 +13,7 @@ from rsmem.loaders.checkpoint import Checkpoint, build_model
 from rsmem.loaders.convert import convert_hf_to_gguf
 from rsmem.loaders.gguf import is_gguf, read_gguf
 from rsmem.loaders.hf import is_hf_folder, read_hf
+from rsmem.loaders.rwkv_convert import convert_blink_to_gguf, is_blink_checkpoint, read_blink
 from rsmem.loaders.tokenizer import TokenizerData, build_tokenizer
 from rsmem.models.compiled import CompileSetting
 from rsmem.models.lfm2 import Lfm2Model
@@ -32,6 +33,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise ModelFormatError(f"{p}: no such model file")
     if p.name == "config.json":
         return read_hf(p.parent)
+    if is_blink_checkpoint(p):  # a BlinkDL RWKV .pth (no tokenizer: see loaders.rwkv_convert)
+        return read_blink(p)
     return read_gguf(p)
 
 
@@ -71,6 +74,7 @@ __all__ = [
     "TokenizerData",
     "build_model",
     "build_tokenizer",
+    "convert_blink_to_gguf",
     "convert_hf_to_gguf",
     "is_gguf",
     "load_model",

@@ -1,0 +1,153 @@
+"""BlinkDL RWKV checkpoints (the ``.pth`` files the official ``rwkv`` package loads) read into llama.cpp's
+form, and written as GGUF with the keys, tensor names and layouts of llama.cpp's converter.
+
+``read_blink(path, vocab=None)`` -> :class:`Checkpoint` (RWKV-7 or RWKV-6, told apart by their tensors);
+``convert_blink_to_gguf(path, out, outtype, vocab)`` writes the GGUF. ``vocab`` is the World vocabulary file
+(``rwkv_vocab_v20230424.txt``: one ``id repr(token) length`` line per token), stored as llama.cpp stores
+it: ``<s>`` (control) as token 0, the file's tokens, ``[PADn]`` up to the embedding's rows.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+from typing import cast
+
+import gguf
+import numpy as np
+import torch
+
+from rsmem.errors import ModelFormatError
+from rsmem.loaders.checkpoint import Checkpoint
+from rsmem.loaders.rwkv import rwkv7_from_blink
+from rsmem.loaders.rwkv6 import rwkv6_from_blink
+from rsmem.loaders.rwkv_tokenizer import escape_rwkv_token
+from rsmem.loaders.tokenizer import TokenizerData
+from rsmem.models.rwkv6 import Rwkv6Config
+from rsmem.models.rwkv7 import Rwkv7Config
+
+Q = gguf.GGMLQuantizationType
+OUTTYPES = {
+    "f32": (Q.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+EOT_ID = 261  # "\n\n": llama.cpp's converter marks it as the end of a turn
+
+
+def is_blink_checkpoint(path: str | os.PathLike[str]) -> bool:
+    return Path(path).suffix == ".pth" and Path(path).is_file()
+
+
+def world_vocabulary(vocab: str | os.PathLike[str], n_vocab: int) -> TokenizerData:
+    """The World vocabulary file as llama.cpp's converter stores it (escaped token texts)."""
+    tokens, types = ["<s>"], [int(gguf.TokenType.CONTROL)]
+    try:
+        for line in Path(vocab).read_text(encoding="utf-8").splitlines():
+            parts = line.split(" ")
+            token = ast.literal_eval(" ".join(parts[1:-1]))
+            raw = token.encode("utf-8") if isinstance(token, str) else token
+            if not isinstance(raw, bytes) or len(raw) != int(parts[-1]):
+                raise ValueError(f"token {token!r} does not have its stated length {parts[-1]}")
+            tokens.append(escape_rwkv_token(raw))
+            types.append(int(gguf.TokenType.NORMAL))
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise ModelFormatError(f"{vocab}: not an RWKV World vocabulary file ({exc})") from exc
+    if len(tokens) > n_vocab:
+        raise ModelFormatError(f"{vocab}: {len(tokens)} tokens for an embedding of {n_vocab} rows")
+    for i in range(len(tokens), n_vocab):
+        tokens.append(f"[PAD{i}]")
+        types.append(int(gguf.TokenType.UNUSED))
+    return TokenizerData(
+        tokens=tokens, token_types=types, merges=[], bos_id=0, eos_id=0, model="rwkv", pre=""
+    )
+
+
+def read_blink(path: str | os.PathLike[str], vocab: str | os.PathLike[str] | None = None) -> Checkpoint:
+    """A BlinkDL ``.pth`` state dict in llama.cpp's form; with ``vocab``, its World tokenizer."""
+    try:
+        sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # torch raises many types on files that are not state dicts
+        raise ModelFormatError(
+            f"{path}: not a loadable .pth checkpoint ({type(exc).__name__}: {exc})"
+        ) from exc
+    if not isinstance(sd, dict) or "emb.weight" not in sd:
+        raise ModelFormatError(f"{path}: not an RWKV checkpoint (no emb.weight)")
+    if "blocks.0.att.r_k" in sd:
+        arch, (config, tensors) = "rwkv7", rwkv7_from_blink(sd)
+    elif "blocks.0.att.time_maa_x" in sd:
+        arch, (config, tensors) = "rwkv6", rwkv6_from_blink(sd)  # type: ignore[assignment]
+    else:
+        raise ModelFormatError(f"{path}: an RWKV checkpoint of a version other than 6 or 7")
+    tokenizer = None if vocab is None else world_vocabulary(vocab, config.n_vocab)
+    return Checkpoint(arch=arch, config=config, tensors=tensors, tokenizer=tokenizer, source=str(path))  # type: ignore[arg-type]
+
+
+def convert_blink_to_gguf(
+    path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    outtype: str = "f32",
+    vocab: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write the ``.pth`` at ``path`` as GGUF at ``out_path``: matrices in ``outtype`` (``f32``, ``f16``,
+    ``bf16``, ``q8_0``; vectors and stacked lerps stay F32, as llama.cpp keeps them); returns the path."""
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype must be one of {sorted(OUTTYPES)}, got {outtype!r}")
+    ckpt = read_blink(path, vocab)
+    qtype, file_type = OUTTYPES[outtype]
+    out_path = Path(out_path)
+    w = gguf.GGUFWriter(out_path, ckpt.arch)
+    _write_hparams(w, ckpt, file_type)
+    if ckpt.tokenizer is not None:
+        tok = ckpt.tokenizer
+        w.add_tokenizer_model("rwkv")
+        w.add_token_list(tok.tokens)
+        w.add_token_types(tok.token_types)
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(0)
+        if len(tok.tokens) > EOT_ID:
+            w.add_eot_token_id(EOT_ID)
+    for name, t in ckpt.tensors.items():
+        data, dtype = _encode(t.float().numpy(), qtype)
+        w.add_tensor(name, data, raw_dtype=dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
+
+
+def _write_hparams(w: gguf.GGUFWriter, ckpt: Checkpoint, file_type: gguf.LlamaFileType) -> None:
+    cfg = cast("Rwkv7Config | Rwkv6Config", ckpt.config)  # Checkpoint.config names the Mamba configs
+    w.add_context_length(1048576)  # RWKV is not limited by positions
+    w.add_embedding_length(cfg.d_model)
+    w.add_block_count(cfg.n_layer)
+    w.add_layer_norm_eps(cfg.eps)
+    w.add_wkv_head_size(cfg.head_size)
+    if isinstance(cfg, Rwkv6Config):
+        w.add_rescale_every_n_layers(cfg.rescale_every_n_layers)
+        w.add_time_mix_extra_dim(cfg.time_mix_extra_dim)
+        w.add_time_decay_extra_dim(cfg.time_decay_extra_dim)
+    else:
+        w.add_decay_lora_rank(cfg.n_lora_decay)
+        w.add_iclr_lora_rank(cfg.n_lora_iclr)
+        w.add_value_residual_mix_lora_rank(cfg.n_lora_value_res_mix)
+        w.add_gate_lora_rank(cfg.n_lora_gate)
+    w.add_feed_forward_length(cfg.d_ff)
+    w.add_head_count(0)  # required by llama.cpp, unused
+    w.add_file_type(file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _encode(arr: np.ndarray, qtype: Q) -> tuple[np.ndarray, Q]:
+    """Matrices in ``qtype`` (Q8_0 needs rows that are a multiple of its 32-wide blocks, else F16); every
+    tensor that is not a matrix stays F32."""
+    if qtype == Q.F32 or arr.ndim != 2:
+        return arr.astype(np.float32), Q.F32
+    if qtype == Q.Q8_0 and arr.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] != 0:
+        qtype = Q.F16
+    if qtype == Q.F16:
+        return arr.astype(np.float16), Q.F16
+    return gguf.quants.quantize(arr, qtype), qtype
