@@ -1,5 +1,7 @@
 """rsmem: recurrent language models on a recurrent-state memory with llama.cpp's semantics."""
 
+# first, before anything imports torch: OpenMP's idle threads sleep instead of spinning (rsmem.threads)
+import rsmem.threads  # noqa: F401  isort: skip
 from rsmem.batch import Batch, BatchAllocator, UBatch
 from rsmem.context import Context
 from rsmem.engine import LLM, Engine, RequestOutput, SamplingParams

@@ -9,12 +9,24 @@ variable                  default  effect
 ``RSMEM_ONEDNN``          1        ``0``: no oneDNN-packed copies of the matrices (saves their memory)
 ``RSMEM_HUGEPAGES``       1        ``0``: weights and states not placed on transparent huge pages
 ``CXX``                            the C++ compiler inductor uses, tried before g++, c++, clang++
+``RSMEM_THREADS``         auto     torch's intra-op threads when a model loads: ``auto`` (by the model's
+                                   size, see ``rsmem.threads``) or a number; ``threads=`` / ``-t`` win
+``RSMEM_OMP_PASSIVE``     1        ``0``: leave OpenMP's wait policy alone; otherwise ``import rsmem``
+                                   sets ``OMP_WAIT_POLICY=PASSIVE`` when neither it nor
+                                   ``GOMP_SPINCOUNT`` is set (before torch loads: see ``rsmem.threads``)
 ========================= ======== ==================================================================
+
+Besides reading, :func:`prepare_openmp_environment` writes one variable: ``OMP_WAIT_POLICY``, which
+libgomp reads once, when torch is first imported.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from typing import Literal
+
+WaitPolicy = Literal["passive", "user", "off", "too late"]
 
 
 def compile_setting() -> str:
@@ -31,3 +43,38 @@ def hugepages_enabled() -> bool:
 
 def cxx_candidates() -> list[str]:
     return [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+
+
+def threads_setting() -> int | None:
+    """``RSMEM_THREADS`` as a thread count, or None for ``auto`` (unset, empty or ``auto``)."""
+    raw = os.environ.get("RSMEM_THREADS", "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"RSMEM_THREADS must be 'auto' or a number >= 1, got {raw!r}") from None
+    if n < 1:
+        raise ValueError(f"RSMEM_THREADS must be 'auto' or a number >= 1, got {n}")
+    return n
+
+
+def openmp_waits_passively() -> bool:
+    """Whether the environment makes OpenMP's idle threads sleep at once (read as torch loads)."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").strip().upper()
+    return policy == "PASSIVE" or os.environ.get("GOMP_SPINCOUNT", "").strip() == "0"
+
+
+def prepare_openmp_environment() -> WaitPolicy:
+    """Make OpenMP's idle threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``) unless the user
+    chose (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set: ``"user"``) or ``RSMEM_OMP_PASSIVE=0`` (``"off"``).
+    libgomp reads the variable once, when torch loads, so this runs before ``import torch``; when torch is
+    already imported it changes nothing and says ``"too late"``."""
+    if os.environ.get("RSMEM_OMP_PASSIVE") == "0":
+        return "off"
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return "user"
+    if "torch" in sys.modules:
+        return "too late"
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return "passive"

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rsmem.errors import RsmemError
+from rsmem.threads import use_threads
 
 if TYPE_CHECKING:
     from rsmem.engine import LLM
@@ -17,7 +18,13 @@ if TYPE_CHECKING:
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF file or Hugging Face folder (default: the embedded model)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: $RSMEM_THREADS, else chosen by the model: rsmem.threads)",
+    )
     p.add_argument("--bf16", action="store_true", help="keep weight matrices in bfloat16")
     p.add_argument(
         "--compile",
@@ -50,10 +57,10 @@ def load(args: argparse.Namespace, n_seq_max: int) -> LLM:
         n_seq_max=n_seq_max,
         n_batch=512,
         dtype=dtype,
-        n_threads=args.threads,
         compile=args.compile,
         n_rs_seq=getattr(args, "rollback_depth", 0),
     )
+    use_threads(llm.model, args.threads)
     if llm.tokenizer is None:
         raise RsmemError(f"{path} has no tokenizer: text generation needs one")
     model = llm.model

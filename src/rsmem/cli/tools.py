@@ -8,8 +8,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from rsmem.cli.inputs import check_output_path
 from rsmem.cli.model import model_path
 from rsmem.cli.run import Progress
@@ -29,7 +27,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     bench = sub.add_parser("bench", help="tokens per second: default model and 130M configs")
     bench.add_argument("-m", "--model", help="model to measure (default: the embedded model)")
-    bench.add_argument("-t", "--threads", type=int, default=2)
+    bench.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: chosen per model: rsmem.threads)",
+    )
     bench.add_argument("--prompt-tokens", type=int, default=512)
     bench.add_argument("--parallel", type=int, nargs="+", default=[1, 8])
     bench.add_argument("--steps", type=int, default=16)
@@ -124,15 +128,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rsmem.benchmark import format_table, measure
     from rsmem.engine import load_text_model
     from rsmem.models.random_init import mamba2_130m, mamba_130m
+    from rsmem.threads import use_threads, wait_policy
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     progress = Progress(enabled=True)
     parallel = tuple(args.parallel)
     results = []
     path = model_path(args.model)
     model, _ = load_text_model(path)
-    name = "default model" if not args.model else path.name
+    name = f"{'default model' if not args.model else path.name}, t{use_threads(model, args.threads)}"
     results.append(
         measure(
             model,
@@ -146,10 +149,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not args.skip_130m:
         for label, build in (("mamba 130M (random)", mamba_130m), ("mamba2 130M (random)", mamba2_130m)):
             progress.update(f"building {label}")
+            big = build()
             results.append(
                 measure(
-                    build(),
-                    label,
+                    big,
+                    f"{label}, t{use_threads(big, args.threads)}",
                     n_prompt=args.prompt_tokens,
                     parallel=parallel,
                     steps=args.steps,
@@ -157,7 +161,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 )
             )
     progress.done()
-    print(f"threads: {torch.get_num_threads()}, f32")
+    print(f"f32; tN: N threads; OpenMP wait policy: {wait_policy()}")
     print(format_table(results))
     return 0
 

@@ -20,6 +20,7 @@ from rsmem.models.lfm2 import Lfm2Model
 from rsmem.models.mamba import MambaModel
 from rsmem.models.mamba2 import Mamba2Model
 from rsmem.models.nemotron_h import NemotronHModel
+from rsmem.threads import use_threads
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
@@ -48,18 +49,18 @@ def load_model(
     """Load a model; ``model.tokenizer`` is its ``tokenizers.Tokenizer`` when the file carries one.
 
     ``dtype`` is the matrices' compute dtype (float32 or bfloat16); ``n_threads`` sets torch's intra-op
-    thread count (process-wide), left alone when None. ``compile``: whether decode steps run through
+    thread count (process-wide); None: ``RSMEM_THREADS``, else chosen by the model
+    (:func:`rsmem.threads.use_threads`). ``compile``: whether decode steps run through
     ``torch.compile`` -- ``"auto"`` (large models, when a C++ compiler is present), True or False; None
     reads ``RSMEM_COMPILE`` (see :mod:`rsmem.models.compiled`).
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    if n_threads is not None:
-        torch.set_num_threads(n_threads)
     ckpt = read_checkpoint(path)
     model = build_model(ckpt, dtype, compile)
     if ckpt.tokenizer is not None:
         model.tokenizer = build_tokenizer(ckpt.tokenizer)
+    use_threads(model, n_threads)
     return model
 
 

@@ -1,0 +1,104 @@
+"""How many threads torch gives a model, and an OpenMP wait policy that does not spin against a neighbour.
+
+**Wait policy.** torch's OpenMP (libgomp) threads spin after each parallel region, waiting for the next
+one. On a machine where another process wants the same cores, a spinning thread holds a core its partner
+needs, so every parallel region waits for the scheduler: on a 2-core machine with one busy neighbour the
+embedded model's steps took 30-90x longer with torch's defaults than with idle threads that sleep
+(README's benchmark section). ``import rsmem`` therefore sets ``OMP_WAIT_POLICY=PASSIVE`` before torch
+loads, unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` or ``RSMEM_OMP_PASSIVE=0``
+(:func:`rsmem.settings.prepare_openmp_environment`). libgomp reads the variable once, when torch is
+first imported: a program that imports torch before rsmem keeps torch's spinning default (:func:`wait_policy`
+says ``"too late"``) and should set ``OMP_WAIT_POLICY=PASSIVE`` in its environment, or import rsmem first.
+
+**Threads by the work.** With idle threads that sleep, a second thread paid off for every model and row
+measured here, busy or not, even the embedded model's 8-token chunks (figures in the README's benchmark
+section; ``bench/threads.py`` repeats them): under contention a process with two runnable threads also gets
+two shares of the scheduler. With spinning threads (torch imported before rsmem, or the user's own
+spinning policy) a small model's products are too small to repay a hand-off that may wait for a whole
+scheduler slice, and one thread was 5-20x faster than two on the embedded model. So :func:`auto_threads`
+gives all cores (torch's default count at import) when OpenMP waits passively, and otherwise one thread to
+models narrower than :data:`SMALL_MODEL_WIDTH`. :func:`use_threads` applies it when a model loads
+(``rsmem.load_model``, the command line); ``threads=`` / ``-t`` / ``RSMEM_THREADS`` override. The count is
+process-wide (``torch.set_num_threads``): the last model loaded sets it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rsmem import settings
+
+if TYPE_CHECKING:
+    from rsmem.models.protocol import RecurrentModel
+
+# runs when rsmem is imported, before rsmem imports torch (rsmem/__init__.py imports this module first)
+_WAIT_POLICY = settings.prepare_openmp_environment()
+_PASSIVE = settings.openmp_waits_passively()
+
+# with spinning OpenMP threads, models whose hidden size is below this run on one thread: the embedded
+# model (d_model 256) ran 5-20x faster on one thread than on two spinning ones here; the 130M configs
+# (d_model 768) are left on all cores, where a quiet machine gains from the second thread
+SMALL_MODEL_WIDTH = 512
+
+_all_cores: int | None = None
+
+
+def wait_policy() -> str:
+    """Who chose how OpenMP's idle threads wait in this process: ``passive`` (rsmem set it), ``user`` (the
+    user's ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT``), ``off`` (``RSMEM_OMP_PASSIVE=0``) or ``too late``
+    (torch was imported before rsmem, with the environment's policy: spinning unless it said otherwise)."""
+    return _WAIT_POLICY
+
+
+def waits_passively() -> bool:
+    """Whether OpenMP's idle threads sleep at once in this process (as far as the environment says)."""
+    return _PASSIVE
+
+
+def all_cores() -> int:
+    """torch's own thread count as it was before rsmem changed it (its default: the physical cores)."""
+    global _all_cores
+    if _all_cores is None:
+        import torch
+
+        _all_cores = torch.get_num_threads()
+    return _all_cores
+
+
+def model_width(model: RecurrentModel) -> int | None:
+    """The model's hidden size (``config.d_model`` / ``n_embd`` / ``hidden_size``), None if unknown."""
+    cfg = getattr(model, "config", None)
+    for key in ("d_model", "n_embd", "hidden_size"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def auto_threads(model: RecurrentModel, passive: bool | None = None) -> int:
+    """All cores when OpenMP waits passively (``passive``: default this process's policy); with spinning
+    threads one thread for a model narrower than :data:`SMALL_MODEL_WIDTH`, all cores for others."""
+    if _PASSIVE if passive is None else passive:
+        return all_cores()
+    width = model_width(model)
+    return 1 if width is not None and width < SMALL_MODEL_WIDTH else all_cores()
+
+
+def choose_threads(model: RecurrentModel, threads: int | None = None) -> int:
+    """``threads`` if given, else ``RSMEM_THREADS``, else :func:`auto_threads`."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        return threads
+    return settings.threads_setting() or auto_threads(model)
+
+
+def use_threads(model: RecurrentModel, threads: int | None = None) -> int:
+    """Set torch's intra-op thread count for ``model``'s work (:func:`choose_threads`); returns it."""
+    import torch
+
+    all_cores()  # remember torch's default before the first change
+    n = choose_threads(model, threads)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n

@@ -1,0 +1,130 @@
+"""The thread policy: OpenMP's wait policy set before torch loads, and threads chosen by the model."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rsmem
+from rsmem import threads
+from rsmem.engine import default_model_path
+
+OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "RSMEM_OMP_PASSIVE", "RSMEM_THREADS", "OMP_DISPLAY_ENV")
+
+
+def _run(code: list[str], **env: str) -> tuple[str, str]:
+    """Run ``python *code`` with libgomp printing its settings as it loads: (spin count, stdout)."""
+    clean = {k: v for k, v in os.environ.items() if k not in OMP_VARS}
+    proc = subprocess.run(
+        [sys.executable, *code],
+        env=clean | {"OMP_DISPLAY_ENV": "VERBOSE"} | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    spin = re.search(r"GOMP_SPINCOUNT = '(\d+)'", proc.stderr)
+    assert spin, proc.stderr[-2000:]
+    return spin.group(1), proc.stdout.strip()
+
+
+def test_import_rsmem_makes_openmp_threads_sleep() -> None:
+    # libgomp's own report: a spin count of 0 is OMP_WAIT_POLICY=PASSIVE; 300000 is its default
+    spin, out = _run(["-c", "import rsmem; print(rsmem.threads.wait_policy())"])
+    assert (spin, out) == ("0", "passive")
+
+
+def test_the_command_line_sets_it_before_torch_loads() -> None:
+    spin, _ = _run(["-m", "rsmem.cli", "--help"])
+    assert spin == "0"
+
+
+def test_torch_imported_first_keeps_its_default_and_says_so() -> None:
+    spin, out = _run(["-c", "import torch, rsmem; print(rsmem.threads.wait_policy())"])
+    assert (spin, out) == ("300000", "too late")
+    spin, out = _run(
+        ["-c", "import torch, rsmem; print(rsmem.threads.wait_policy())"], OMP_WAIT_POLICY="PASSIVE"
+    )
+    assert (spin, out) == ("0", "user")  # the documented remedy: the policy in the environment
+
+
+@pytest.mark.parametrize(
+    ("env", "spin", "policy"),
+    [
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000", "user"),
+        ({"GOMP_SPINCOUNT": "1000"}, "1000", "user"),
+        ({"RSMEM_OMP_PASSIVE": "0"}, "300000", "off"),
+    ],
+)
+def test_the_users_choice_is_left_alone(env: dict[str, str], spin: str, policy: str) -> None:
+    assert _run(["-c", "import rsmem; print(rsmem.threads.wait_policy())"], **env) == (spin, policy)
+
+
+def _model(width: int) -> object:
+    return SimpleNamespace(config=SimpleNamespace(d_model=width))
+
+
+def test_auto_threads_by_policy_and_width() -> None:
+    cores = threads.all_cores()
+    small, large = _model(threads.SMALL_MODEL_WIDTH - 1), _model(threads.SMALL_MODEL_WIDTH)
+    assert threads.auto_threads(small, passive=True) == cores  # type: ignore[arg-type]
+    assert threads.auto_threads(large, passive=True) == cores  # type: ignore[arg-type]
+    assert threads.auto_threads(small, passive=False) == 1  # type: ignore[arg-type]
+    assert threads.auto_threads(large, passive=False) == cores  # type: ignore[arg-type]
+    assert threads.auto_threads(SimpleNamespace(), passive=False) == cores  # type: ignore[arg-type]
+
+
+def test_explicit_threads_then_environment_then_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(256)
+    monkeypatch.delenv("RSMEM_THREADS", raising=False)
+    assert threads.choose_threads(model, 3) == 3  # type: ignore[arg-type]
+    assert threads.choose_threads(model) == threads.auto_threads(model)  # type: ignore[arg-type]
+    monkeypatch.setenv("RSMEM_THREADS", "5")
+    assert threads.choose_threads(model) == 5  # type: ignore[arg-type]
+    assert threads.choose_threads(model, 2) == 2  # type: ignore[arg-type]
+    monkeypatch.setenv("RSMEM_THREADS", "auto")
+    assert threads.choose_threads(model) == threads.auto_threads(model)  # type: ignore[arg-type]
+    for bad in ("0", "two"):
+        monkeypatch.setenv("RSMEM_THREADS", bad)
+        with pytest.raises(ValueError, match="RSMEM_THREADS must be 'auto' or a number >= 1"):
+            threads.choose_threads(model)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        threads.choose_threads(model, 0)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def keep_threads() -> object:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("keep_threads")
+def test_load_model_applies_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RSMEM_THREADS", raising=False)
+    torch.set_num_threads(threads.all_cores())
+    model = rsmem.load_model(default_model_path(), n_threads=1)
+    assert torch.get_num_threads() == 1
+    rsmem.load_model(default_model_path())
+    assert torch.get_num_threads() == threads.auto_threads(model)
+    monkeypatch.setenv("RSMEM_THREADS", "1")
+    torch.set_num_threads(threads.all_cores())
+    rsmem.load_model(default_model_path())
+    assert torch.get_num_threads() == 1
+
+
+@pytest.mark.usefixtures("keep_threads")
+def test_bench_threads_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from rsmem.cli import main
+
+    args = ["bench", "--skip-130m", "--prompt-tokens", "16", "--steps", "1", "--parallel", "1"]
+    assert main([*args, "-t", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "default model, t1 " in out
+    assert f"OpenMP wait policy: {threads.wait_policy()}" in out
