@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
+from typing import cast
 
 import torch
 
 from rsmem.batch.allocator import BatchAllocator
 from rsmem.batch.batch import Batch, UBatch
 from rsmem.errors import InvalidBatchError, NoSlotError
-from rsmem.memory import state_io
+from rsmem.memory import hybrid_state, state_io
 from rsmem.memory.capture import (
     CaptureKey,
     CaptureRequest,
@@ -32,8 +33,9 @@ from rsmem.memory.capture import (
     take_at,
 )
 from rsmem.memory.checkpoint import Checkpoint, check_codec
-from rsmem.memory.context import MemoryStatus, RecurrentMemoryContext
-from rsmem.memory.hybrid import HybridMemory
+from rsmem.memory.context import MemoryStatus
+from rsmem.memory.hybrid import HybridLayout, HybridMemory
+from rsmem.memory.protocol import MemoryBatch, SequenceMemory
 from rsmem.memory.recurrent import RecurrentMemory, StateShape
 from rsmem.memory.rollback import ScratchState
 from rsmem.models.protocol import RecurrentModel
@@ -65,12 +67,11 @@ class Context:
         self.model = model
         self.n_batch = n_batch
         self.n_ubatch = min(n_ubatch, n_batch)
-        self.memory: RecurrentMemory
+        self.memory: SequenceMemory
         if isinstance(getattr(model, "kv_layers", None), Mapping):  # a hybrid: attention layers in a KV cache
-            # HybridMemory offers the memory interface decode and the sequence operations use; state files
-            # go through memory.state_write / state_read (see rsmem.memory.hybrid)
-            self.memory = HybridMemory.for_model(  # type: ignore[assignment]
-                model,  # type: ignore[arg-type]
+            # state bytes in llama.cpp's hybrid layout (rsmem.memory.hybrid_state)
+            self.memory = HybridMemory.for_model(
+                cast(HybridLayout, model),
                 n_seq_max,
                 n_ctx=n_ctx,
                 kv_unified=kv_unified,
@@ -168,7 +169,7 @@ class Context:
     def _forward(
         self,
         ub: UBatch,
-        states: RecurrentMemoryContext,
+        states: MemoryBatch,
         plan: UBatchPlan | None,
         codec: str,
         captured: dict[CaptureKey, Checkpoint],
@@ -180,7 +181,7 @@ class Context:
             return
         inner = plan.inner()
         if inner and getattr(self.model, "captures_states", False):
-            sink = UBatchCapture(self.memory, [plan.points[i] for i in inner], codec)
+            sink = UBatchCapture(self._recurrent(), [plan.points[i] for i in inner], codec)
             yield ub, self.model.forward(ub, states, capture=sink)  # type: ignore[call-arg]
             for i, ckpt in zip(inner, sink.checkpoints([plan.pos[i] for i in inner]), strict=True):
                 captured.update(dict.fromkeys(plan.keys[i], ckpt))
@@ -197,7 +198,7 @@ class Context:
     ) -> None:
         """Add the checkpoints of ``plan``'s points after token ``t``, which the cells hold now."""
         for i in plan.ending_at(t):
-            ckpt = take_at(self.memory, ub, plan.points[i][0], plan.pos[i], codec)
+            ckpt = take_at(self._recurrent(), ub, plan.points[i][0], plan.pos[i], codec)
             captured.update(dict.fromkeys(plan.keys[i], ckpt))
 
     def captured(self) -> dict[CaptureKey, Checkpoint]:
@@ -226,43 +227,72 @@ class Context:
         return self._logits[row]
 
     # --------------------------------------------------------- state saving
+    # A recurrent memory's bytes are framed by rsmem.memory.state_io, a hybrid's by rsmem.memory.hybrid_state
+    # (llama.cpp's hybrid layout: the KV part, then the recurrent payload); the files are llama.cpp's.
+
+    def _recurrent(self) -> RecurrentMemory:
+        if not isinstance(self.memory, RecurrentMemory):
+            raise TypeError(f"{type(self.memory).__name__} is not a recurrent memory")
+        return self.memory
 
     def state_seq_get_data(self, seq_id: int) -> bytes:
         """One sequence's state as bytes (``llama_state_seq_get_data``)."""
-        return state_io.seq_blob(self.memory, seq_id)
+        if isinstance(self.memory, HybridMemory):
+            return hybrid_state.seq_blob(self.memory, seq_id)
+        return state_io.seq_blob(self._recurrent(), seq_id)
 
     def state_seq_get_size(self, seq_id: int) -> int:
         return len(self.state_seq_get_data(seq_id))
 
     def state_seq_set_data(self, data: bytes, dest_seq_id: int) -> int:
         """Restore a sequence blob into ``dest_seq_id``; returns bytes read. Raises StateFormatError."""
-        return state_io.load_seq_blob(self.memory, data, dest_seq_id)
+        if isinstance(self.memory, HybridMemory):
+            return hybrid_state.load_seq_blob(self.memory, data, dest_seq_id)
+        return state_io.load_seq_blob(self._recurrent(), data, dest_seq_id)
+
+    def state_seq_file_bytes(self, seq_id: int, tokens: list[int]) -> bytes:
+        """The bytes of a 'ggsq' sequence file of ``seq_id`` with ``tokens``."""
+        if isinstance(self.memory, HybridMemory):
+            return hybrid_state.seq_file_bytes(self.memory, seq_id, list(tokens))
+        return state_io.seq_file_bytes(self._recurrent(), seq_id, list(tokens))
 
     def state_seq_save_file(self, path: str | os.PathLike[str], seq_id: int, tokens: list[int]) -> int:
         """Write a 'ggsq' sequence file (atomically); returns the bytes written."""
-        return state_io.atomic_write(path, state_io.seq_file_bytes(self.memory, seq_id, list(tokens)))
+        return state_io.atomic_write(path, self.state_seq_file_bytes(seq_id, tokens))
 
     def state_seq_load_file(self, path: str | os.PathLike[str], dest_seq_id: int) -> list[int]:
         """Restore a 'ggsq' sequence file into ``dest_seq_id``; returns the tokens saved with it."""
         with open(path, "rb") as f:
             data = f.read()
-        return state_io.load_seq_file_bytes(self.memory, data, dest_seq_id, self.n_vocab)
+        if isinstance(self.memory, HybridMemory):
+            return hybrid_state.load_seq_file_bytes(self.memory, data, dest_seq_id, self.n_vocab)
+        return state_io.load_seq_file_bytes(self._recurrent(), data, dest_seq_id, self.n_vocab)
 
     def state_get_data(self) -> bytes:
         """The whole context's state (every sequence) as bytes."""
-        return state_io.context_state_bytes(self.memory, self.model.arch)
+        if isinstance(self.memory, HybridMemory):
+            return hybrid_state.context_state_bytes(self.memory, self.model.arch)
+        return state_io.context_state_bytes(self._recurrent(), self.model.arch)
 
     def state_set_data(self, data: bytes) -> int:
         reader = state_io.Reader(data)
-        state_io.load_context_state(self.memory, reader, self.model.arch)
+        if isinstance(self.memory, HybridMemory):
+            hybrid_state.load_context_state(self.memory, reader, self.model.arch)
+        else:
+            state_io.load_context_state(self._recurrent(), reader, self.model.arch)
         return reader.offset
 
     def state_save_file(self, path: str | os.PathLike[str], tokens: list[int]) -> int:
         """Write a 'ggsn' session file with every sequence's state (atomically)."""
-        data = state_io.session_file_bytes(self.memory, self.model.arch, list(tokens))
+        if isinstance(self.memory, HybridMemory):
+            data = hybrid_state.session_file_bytes(self.memory, self.model.arch, list(tokens))
+        else:
+            data = state_io.session_file_bytes(self._recurrent(), self.model.arch, list(tokens))
         return state_io.atomic_write(path, data)
 
     def state_load_file(self, path: str | os.PathLike[str]) -> list[int]:
         with open(path, "rb") as f:
             data = f.read()
-        return state_io.load_session_file_bytes(self.memory, data, self.model.arch, self.n_vocab)
+        if isinstance(self.memory, HybridMemory):
+            return hybrid_state.load_session_file_bytes(self.memory, data, self.model.arch, self.n_vocab)
+        return state_io.load_session_file_bytes(self._recurrent(), data, self.model.arch, self.n_vocab)

@@ -24,10 +24,16 @@ With a ``cache_dir`` (``--cache-dir``) every checkpoint kept is also written the
 disk, and a disk entry's rows are read only when it is the one restored (it then joins the RAM cache).
 Saved slots and sessions carry the checkpoints along their tokens (:meth:`CheckpointCache.along`, written
 by :mod:`rsmem.engine.kept`), and restoring them adds those back (:meth:`CheckpointCache.add`).
+
+A hybrid model's checkpoints (recurrent rows and the KV prefix, see :mod:`rsmem.memory.checkpoint`) stay
+in RAM: the checkpoint file format holds recurrent rows only, so a hybrid cache has no ``cache_dir`` (one
+log line says it is not used), writes no companions (:meth:`along` is empty) and refuses checkpoints
+without KV rows (:meth:`add`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,9 +44,20 @@ from rsmem.engine.prefix_cache import PrefixCache
 from rsmem.memory import checkpoint
 from rsmem.memory import checkpoint_file as cf
 from rsmem.memory.checkpoint import Checkpoint
+from rsmem.memory.hybrid import HybridMemory
+from rsmem.memory.protocol import SequenceMemory
 from rsmem.memory.recurrent import RecurrentMemory
 
 DEFAULT_DISK_BYTES = 4 << 30
+log = logging.getLogger("rsmem.checkpoints")
+
+
+def _layout(memory: SequenceMemory) -> cf.Layout:
+    """The recurrent rows' layout (a hybrid's recurrent part)."""
+    recurrent = memory.recurrent if isinstance(memory, HybridMemory) else memory
+    if not isinstance(recurrent, RecurrentMemory):
+        raise TypeError(f"a prefix cache over a {type(memory).__name__} is not supported")
+    return cf.Layout.of(recurrent)
 
 
 @dataclass(slots=True)
@@ -58,7 +75,7 @@ class CheckpointStats:
 class CheckpointCache:
     def __init__(
         self,
-        memory: RecurrentMemory,
+        memory: SequenceMemory,
         budget_bytes: int,
         *,
         interval: int = 0,
@@ -79,8 +96,12 @@ class CheckpointCache:
         self.interval = interval
         self.codec = codec
         self.stats = CheckpointStats()
-        self.layout = cf.Layout.of(memory)
+        self.layout = _layout(memory)
         self.fingerprint = fingerprint
+        self.hybrid = isinstance(memory, HybridMemory)  # checkpoints with KV rows: RAM only
+        if cache_dir is not None and self.hybrid:
+            log.warning("cache dir %s not used: a hybrid model's checkpoints are kept in RAM only", cache_dir)
+            cache_dir = None
         self.disk = None if cache_dir is None else DiskCache(cache_dir, self.layout, fingerprint, disk_bytes)
 
     @classmethod
@@ -95,7 +116,7 @@ class CheckpointCache:
         disk_bytes: int = DEFAULT_DISK_BYTES,
     ) -> CheckpointCache:
         """A cache over ``context``'s memory, fingerprinted with its model."""
-        fingerprint = cf.model_fingerprint(context.model, cf.Layout.of(context.memory))
+        fingerprint = cf.model_fingerprint(context.model, _layout(context.memory))
         return cls(
             context.memory,
             budget_bytes,
@@ -169,6 +190,8 @@ class CheckpointCache:
         if not ckpt.is_finite():  # never serve a broken state to the requests after this one
             self.stats.non_finite += 1
             return False
+        if self.hybrid and ckpt.kv is None:  # e.g. read from a companion file: no KV rows to restore
+            return False
         kept = self._keep(tokens, ckpt, kind)
         if self.disk is not None:
             kept = self.disk.put(tokens, ckpt) or kept
@@ -182,8 +205,10 @@ class CheckpointCache:
 
     def along(self, tokens: Sequence[int]) -> list[tuple[int, Checkpoint]]:
         """Every checkpoint kept (RAM, then the cache dir) whose tokens are a prefix of ``tokens``, as
-        (n_tokens, checkpoint), shortest first."""
+        (n_tokens, checkpoint), shortest first; none for a hybrid model (its checkpoints are not saved)."""
         found: dict[int, Checkpoint] = {}
+        if self.hybrid:
+            return []
         for n in self.tree.along(tokens):
             match = self.tree.match(tokens, max_len=n, touch=False)
             if match is not None and match.n_tokens == n:

@@ -11,7 +11,7 @@ from rsmem.engine.checkpoints import CheckpointCache
 from rsmem.engine.pool import SequencePool
 from rsmem.engine.request import Completion, ErrorKind, FinishReason, Phase, Request
 from rsmem.engine.status import EngineStats
-from rsmem.memory.recurrent import RecurrentMemory
+from rsmem.memory.protocol import SequenceMemory
 
 
 class Lifecycle:
@@ -19,7 +19,7 @@ class Lifecycle:
 
     def __init__(
         self,
-        memory: RecurrentMemory,
+        memory: SequenceMemory,
         pool: SequencePool,
         checkpoints: CheckpointCache | None,
         stats: EngineStats,

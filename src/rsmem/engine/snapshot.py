@@ -8,16 +8,16 @@ from rsmem.engine.checkpoints import CheckpointCache
 from rsmem.engine.pool import SequencePool
 from rsmem.engine.request import Request
 from rsmem.engine.status import EngineSnapshot, EngineStats, Health, SlotInfo
-from rsmem.memory.recurrent import RecurrentMemory
+from rsmem.memory.protocol import SequenceMemory
 
 
-def active_cells(memory: RecurrentMemory, pool: SequencePool) -> int:
+def active_cells(memory: SequenceMemory, pool: SequencePool) -> int:
     """Cells held by running requests and sessions (the rest of ``memory.used`` is cache)."""
     return sum(1 for s in range(pool.n_seq) if not pool.is_free(s) and memory.seq_pos_max(s) >= 0)
 
 
 def take_snapshot(
-    memory: RecurrentMemory,
+    memory: SequenceMemory,
     pool: SequencePool,
     waiting: Iterable[Request],
     running: list[Request],

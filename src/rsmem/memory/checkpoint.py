@@ -14,6 +14,15 @@ Codecs (``Checkpoint.codec``), to fit more checkpoints in a byte budget:
 
 The logit error a lossy codec causes after N further tokens is measured by
 ``bench/checkpoint_codecs.py`` and documented in the README.
+
+A hybrid memory's checkpoint (:class:`~rsmem.memory.hybrid.HybridMemory`) is the recurrent rows plus the
+sequence's KV prefix (:class:`KVRows`: the positions and K/V rows of every KV cell it sees, in position
+order, in the same codec; counted in ``nbytes``). ``restore`` releases the destination's KV cells and
+recurrent cell and writes both parts into fresh cells, into the same sequence or another one, after a
+dry run of both placements. Copying the K/V rows rather than sharing cells (``seq_cp``) keeps one rule for
+every case: per-sequence streams cannot share cells across sequences, and a shared cell would outlive a
+source sequence that later changes; the copy costs ``kv_bytes_per_token`` per position, far below
+recomputing those positions.
 """
 
 from __future__ import annotations
@@ -22,8 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
+from rsmem.errors import NoSlotError
+from rsmem.memory.hybrid import HybridMemory, HybridState
+from rsmem.memory.kv_state import KVStream, can_restore_kv
+from rsmem.memory.protocol import SequenceMemory
 from rsmem.memory.recurrent import RecurrentMemory
-from rsmem.memory.state_io import Payload, restore_payload
+from rsmem.memory.state_io import Payload, can_install, restore_payload
 
 CODECS = ("exact", "bf16", "int8")
 INT8_BLOCK = 32
@@ -46,24 +59,42 @@ class Encoded:
 
 
 @dataclass(frozen=True, slots=True)
+class KVRows:
+    """A sequence's KV prefix: its cells' positions (ascending) and, per attention layer in the cache's
+    layer order, their K and V rows ``[n, n_embd]``."""
+
+    positions: tuple[int, ...]
+    k: tuple[Encoded, ...]
+    v: tuple[Encoded, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in (*self.k, *self.v))
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """``seq``'s state after position ``pos`` (the last token folded in), in ``codec``."""
+    """``seq``'s state after position ``pos`` (the last token folded in), in ``codec``; ``kv``: a hybrid
+    memory's KV prefix (None for a recurrent memory)."""
 
     pos: int
     codec: str
     r_rows: tuple[Encoded | None, ...]
     s_rows: tuple[Encoded | None, ...]
+    kv: KVRows | None = None
+
+    def _encoded(self) -> list[Encoded]:
+        kv = () if self.kv is None else (*self.kv.k, *self.kv.v)
+        return [e for e in (*self.r_rows, *self.s_rows, *kv) if e is not None]
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in (*self.r_rows, *self.s_rows) if e is not None)
+        return sum(e.nbytes for e in self._encoded())
 
     def is_finite(self) -> bool:
         """No NaN or inf in any row (int8 rows are finite when their scales are)."""
         return all(
-            bool(torch.isfinite(e.data if e.scales is None else e.scales).all())
-            for e in (*self.r_rows, *self.s_rows)
-            if e is not None
+            bool(torch.isfinite(e.data if e.scales is None else e.scales).all()) for e in self._encoded()
         )
 
 
@@ -80,10 +111,23 @@ def encode(rows: torch.Tensor, codec: str) -> Encoded:
     return _encode(rows, codec)
 
 
-def take(memory: RecurrentMemory, seq_id: int, codec: str = "exact") -> Checkpoint | None:
-    """A copy of ``seq_id``'s state, or None when the sequence holds none."""
+def take(memory: SequenceMemory, seq_id: int, codec: str = "exact") -> Checkpoint | None:
+    """A copy of ``seq_id``'s state (with a hybrid's KV prefix), or None when the sequence holds none."""
     check_codec(codec)
     memory.require_seq(seq_id, "checkpoint")
+    if isinstance(memory, HybridMemory):
+        ckpt = _take_recurrent(memory.recurrent, seq_id, codec)
+        if ckpt is None or memory.kv.seq_pos_max(seq_id) < ckpt.pos:
+            return None  # no state, or the KV cache lacks positions the recurrent state folded
+        return Checkpoint(
+            ckpt.pos, codec, ckpt.r_rows, ckpt.s_rows, _take_kv(memory, seq_id, ckpt.pos, codec)
+        )
+    if not isinstance(memory, RecurrentMemory):
+        raise TypeError(f"checkpoints of a {type(memory).__name__} are not supported")
+    return _take_recurrent(memory, seq_id, codec)
+
+
+def _take_recurrent(memory: RecurrentMemory, seq_id: int, codec: str) -> Checkpoint | None:
     cell = memory.cells.tail[seq_id]
     if cell < 0:
         return None
@@ -92,9 +136,57 @@ def take(memory: RecurrentMemory, seq_id: int, codec: str = "exact") -> Checkpoi
     return Checkpoint(memory.cells.pos[cell], codec, r_rows, s_rows)
 
 
-def restore(memory: RecurrentMemory, checkpoint: Checkpoint, seq_id: int) -> None:
+def _take_kv(memory: HybridMemory, seq_id: int, pos: int, codec: str) -> KVRows:
+    """``seq_id``'s KV cells up to position ``pos``, in position order."""
+    kv = memory.kv
+    kv.update()  # pending position shifts go into the keys first
+    cells = kv.cells_of_seq(seq_id)
+    idx = sorted(
+        (i for i in range(cells.size) if seq_id in cells.seqs[i] and 0 <= cells.pos[i] <= pos),
+        key=lambda i: cells.pos[i],
+    )
+    st = kv.stream_of(seq_id)
+    index = torch.tensor(idx, dtype=torch.long, device=kv.device)
+    k = tuple(_encode(kv.k_l[il][st].index_select(0, index), codec) for il in kv.layer_dims)
+    v = tuple(_encode(kv.v_l[il][st].index_select(0, index), codec) for il in kv.layer_dims)
+    return KVRows(tuple(cells.pos[i] for i in idx), k, v)
+
+
+def restore(memory: SequenceMemory, checkpoint: Checkpoint, seq_id: int) -> None:
     """Make ``checkpoint`` ``seq_id``'s state (its old state is dropped); raises NoSlotError, with the
-    memory unchanged, if no cell is free."""
+    memory unchanged, if no cell is free, and ValueError if the checkpoint is of another memory's shape."""
+    if isinstance(memory, HybridMemory):
+        _restore_hybrid(memory, checkpoint, seq_id)
+        return
+    if not isinstance(memory, RecurrentMemory):
+        raise TypeError(f"checkpoints of a {type(memory).__name__} are not supported")
+    if checkpoint.kv is not None:
+        raise ValueError("the checkpoint was taken from a hybrid memory (it holds KV rows)")
+    restore_payload(memory, _payload(memory, checkpoint), seq_id)
+
+
+def _restore_hybrid(memory: HybridMemory, checkpoint: Checkpoint, seq_id: int) -> None:
+    kv, rows = memory.kv, checkpoint.kv
+    if rows is None or len(rows.k) != len(kv.layer_dims) or len(rows.v) != len(kv.layer_dims):
+        raise ValueError("the checkpoint was not taken from a hybrid memory of this shape (KV rows)")
+    memory.require_seq(seq_id, "checkpoint restore")
+    payload = _payload(memory.recurrent, checkpoint)
+    k = {il: _decode(e) for il, e in zip(kv.layer_dims, rows.k, strict=True)}
+    v = {il: _decode(e) for il, e in zip(kv.layer_dims, rows.v, strict=True)}
+    if any(
+        k[il].shape != (len(rows.positions), dk) or v[il].shape != (len(rows.positions), dv)
+        for il, (dk, dv) in kv.layer_dims.items()
+    ):
+        raise ValueError("the checkpoint's KV rows do not fit this cache's attention layers")
+    cells: list[tuple[int, tuple[int, ...]]] = [(p, (seq_id,)) for p in rows.positions]
+    streams = [KVStream(kv.stream_of(seq_id), cells, k, v)] if cells else []
+    if not can_restore_kv(kv, streams, seq_id) or not can_install(memory.recurrent, seq_id):
+        raise NoSlotError(f"no free cells to restore a checkpoint into sequence {seq_id}")
+    memory.install_state(HybridState(streams, payload), seq_id)
+
+
+def _payload(memory: RecurrentMemory, checkpoint: Checkpoint) -> Payload:
+    """The recurrent rows of ``checkpoint`` as a payload for ``memory``, checked against its shape."""
     r_rows = [None if e is None else _decode(e) for e in checkpoint.r_rows]
     s_rows = [None if e is None else _decode(e) for e in checkpoint.s_rows]
     if len(r_rows) != memory.n_layer or any(
@@ -102,7 +194,7 @@ def restore(memory: RecurrentMemory, checkpoint: Checkpoint, seq_id: int) -> Non
         for t, row in zip((*memory.r_l, *memory.s_l), (*r_rows, *s_rows), strict=True)
     ):
         raise ValueError("the checkpoint was taken from a memory of another shape")
-    restore_payload(memory, Payload([(checkpoint.pos, ())], r_rows, s_rows), seq_id)
+    return Payload([(checkpoint.pos, ())], r_rows, s_rows)
 
 
 def _encode(rows: torch.Tensor, codec: str) -> Encoded:

@@ -198,6 +198,22 @@ class HybridMemory:
         """K and V bytes one token takes in the cache (all attention layers)."""
         return self.kv.bytes_per_token()
 
+    @property
+    def size(self) -> int:
+        """Sequence-state cells in all (the recurrent part's; the KV cache counts its own)."""
+        return self.recurrent.size
+
+    @property
+    def used(self) -> int:
+        """Sequence-state cells holding a state."""
+        return self.recurrent.used
+
+    @property
+    def kv_cells_per_seq(self) -> int:
+        """The most positions one sequence can hold in the KV cache: a stream's cells (per-sequence
+        streams), or every cell (unified, shared with the other sequences)."""
+        return self.kv.size
+
     # ---------------------------------------------------- sequence operations
 
     def clear(self, data: bool = True) -> None:

@@ -83,20 +83,14 @@ def load_seq_file_bytes(
     return tokens
 
 
-def session_file_bytes(memory: HybridMemory, arch: str, tokens: list[int]) -> bytes:
-    """'ggsn', version 9, tokens, arch name, then every sequence's state (as ``state_io`` lays it out)."""
+def context_state_bytes(memory: HybridMemory, arch: str) -> bytes:
+    """Whole-context state data (``llama_state_get_data``): arch name, then every sequence's state."""
     name = arch.encode()
-    head = struct.pack(
-        f"<III{len(tokens)}i", state_io.SESSION_MAGIC, state_io.SESSION_VERSION, len(tokens), *tokens
-    )
-    return head + struct.pack("<I", len(name)) + name + memory.state_write(-1)
+    return struct.pack("<I", len(name)) + name + memory.state_write(-1)
 
 
-def load_session_file_bytes(
-    memory: HybridMemory, data: bytes, arch: str, n_vocab: int | None = None
-) -> list[int]:
-    reader = Reader(data)
-    tokens = _tokens(reader, state_io.SESSION_MAGIC, (state_io.SESSION_VERSION,), "session file", n_vocab)
+def load_context_state(memory: HybridMemory, reader: Reader, arch: str) -> None:
+    """Restore whole-context state data written by :func:`context_state_bytes` (checked to its end first)."""
     n = reader.u32("arch name length")
     name = bytes(reader.take(n, "arch name")).decode(errors="replace")
     if name != arch:
@@ -104,6 +98,22 @@ def load_session_file_bytes(
     state = memory.parse_state(reader, -1)
     reader.expect_end()
     memory.install_state(state, -1)
+
+
+def session_file_bytes(memory: HybridMemory, arch: str, tokens: list[int]) -> bytes:
+    """'ggsn', version 9, tokens, arch name, then every sequence's state (as ``state_io`` lays it out)."""
+    head = struct.pack(
+        f"<III{len(tokens)}i", state_io.SESSION_MAGIC, state_io.SESSION_VERSION, len(tokens), *tokens
+    )
+    return head + context_state_bytes(memory, arch)
+
+
+def load_session_file_bytes(
+    memory: HybridMemory, data: bytes, arch: str, n_vocab: int | None = None
+) -> list[int]:
+    reader = Reader(data)
+    tokens = _tokens(reader, state_io.SESSION_MAGIC, (state_io.SESSION_VERSION,), "session file", n_vocab)
+    load_context_state(memory, reader, arch)
     return tokens
 
 

@@ -148,8 +148,8 @@ def _parse_rows(
             f"({n_embd} x {GGML_TYPE_NAMES[type_id]})"
         )
     raw = reader.take(cell_count * row_bytes, f"{kind} rows of layer {il}")
-    if cell_count == 0:
-        return torch.empty(0, n_embd, dtype=t.dtype)
+    if cell_count * n_embd == 0:  # no cells, or 0-value rows (LFM2's s): frombuffer refuses empty buffers
+        return torch.empty(cell_count, n_embd, dtype=t.dtype)
     stored = torch.frombuffer(bytearray(raw), dtype=dtype).view(cell_count, n_embd)
     rows = stored.to(t.dtype)
     _require_finite(rows, stored, kind, il, owners)
