@@ -24,7 +24,7 @@ from rsmem.batch.batch import UBatch
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.wkv6 import wkv6_chunked_, wkv6_step_
 from rsmem.models.protocol import StateAccess
-from rsmem.models.rwkv7 import GROUP_NORM_EPS, mm, token_shift
+from rsmem.models.rwkv7 import GROUP_NORM_EPS, HeldMatrices, token_shift
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -58,7 +58,8 @@ class Rwkv6Config:
 
 @dataclass(slots=True)
 class Rwkv6Layer:
-    """One block's weights in llama.cpp's form; matrices ``[out, in]``, vectors ``[n_embd]``."""
+    """One block's weights in llama.cpp's form; matrices ``[out, in]`` (the model holds those of
+    ``Rwkv6Model.matrices`` as ``[in, out]``), vectors ``[n_embd]``."""
 
     attn_norm: torch.Tensor
     attn_norm_b: torch.Tensor
@@ -119,12 +120,14 @@ class Rwkv6Model:
         self.embedding = weights.embedding.to(f32).contiguous()
         self.emb_norm, self.emb_norm_b = weights.emb_norm.to(f32), weights.emb_norm_b.to(f32)
         self.norm_f, self.norm_f_b = weights.norm_f.to(f32), weights.norm_f_b.to(f32)
-        self.lm_head = weights.lm_head.to(dtype).contiguous()
+        self.held = HeldMatrices(dtype)
+        self.lm_head = self.held.hold(weights.lm_head)  # [in, out]
         self.layers = [
             Rwkv6Layer(
                 **{
-                    name: getattr(ly, name).to(dtype if name in self.matrices else f32).contiguous()
+                    name: self.held.hold(t) if name in self.matrices else t.to(f32).contiguous()
                     for name in Rwkv6Layer.__slots__
+                    if (t := getattr(ly, name)) is not None
                 }
             )
             for ly in weights.layers
@@ -160,7 +163,7 @@ class Rwkv6Model:
             states.write_states(il, torch.stack([h[:, -1], f[:, -1]], dim=1), wkv)
         x = output_rows(x, ubatch.output_rows())
         x = F.layer_norm(x, (c,), self.norm_f, self.norm_f_b, cfg.eps)
-        return mm(x, self.lm_head)
+        return self.held.linear(x, self.lm_head)
 
     def time_mix(
         self, ly: Rwkv6Layer, x: torch.Tensor, prev: torch.Tensor, wkv: torch.Tensor
@@ -173,10 +176,10 @@ class Rwkv6Model:
         mixer = torch.tanh(F.linear(x + sx * ly.lerp_x, ly.w1)).view(n_seqs, n_tokens, 5, -1)
         offsets = torch.einsum("blge,gce->blgc", mixer, ly.w2)  # [Bs, L, 5, C]
         xw, xk, xv, xr, xg = (x.unsqueeze(2) + sx.unsqueeze(2) * (offsets + ly.lerp)).unbind(2)
-        r = mm(xr, ly.receptance).view(heads)
-        k = mm(xk, ly.key).view(heads)
-        v = mm(xv, ly.value).view(heads)
-        g = F.silu(mm(xg, ly.gate))
+        r = self.held.linear(xr, ly.receptance).view(heads)
+        k = self.held.linear(xk, ly.key).view(heads)
+        v = self.held.linear(xv, ly.value).view(heads)
+        g = F.silu(self.held.linear(xg, ly.gate))
         log_w = -torch.exp(ly.decay + F.linear(torch.tanh(F.linear(xw, ly.decay_w1)), ly.decay_w2)).view(
             heads
         )
@@ -185,10 +188,10 @@ class Rwkv6Model:
         else:
             y = wkv6_chunked_(wkv, r, log_w, k, v, ly.first, cfg.chunk_size)
         y = F.group_norm(y.reshape(-1, c), cfg.n_head, ly.ln_x, ly.ln_x_b, GROUP_NORM_EPS)
-        return mm(y.view(n_seqs, n_tokens, c) * g, ly.output)
+        return self.held.linear(y.view(n_seqs, n_tokens, c) * g, ly.output)
 
     def channel_mix(self, ly: Rwkv6Layer, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         sx = prev - x
-        r = torch.sigmoid(mm(x + sx * ly.ffn_lerp_r, ly.ffn_receptance))
-        k = torch.relu(mm(x + sx * ly.ffn_lerp_k, ly.ffn_key)).square()
-        return r * mm(k, ly.ffn_value)
+        r = torch.sigmoid(self.held.linear(x + sx * ly.ffn_lerp_r, ly.ffn_receptance))
+        k = torch.relu(self.held.linear(x + sx * ly.ffn_lerp_k, ly.ffn_key)).square()
+        return r * self.held.linear(k, ly.ffn_value)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
 from rsmem.models.ops.common import output_rows
+from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_step_
 from rsmem.models.protocol import StateAccess
 
@@ -61,7 +62,8 @@ class Rwkv7Config:
 
 @dataclass(slots=True)
 class Rwkv7Layer:
-    """One block's weights in llama.cpp's form; matrices ``[out, in]``, vectors ``[n_embd]``."""
+    """One block's weights in llama.cpp's form; matrices ``[out, in]`` (the model holds those of
+    ``Rwkv7Model.matrices`` as ``[in, out]``, see :class:`HeldMatrices`), vectors ``[n_embd]``."""
 
     attn_norm: torch.Tensor
     attn_norm_b: torch.Tensor
@@ -104,15 +106,26 @@ class Rwkv7Weights:
     lm_head: torch.Tensor  # [n_vocab, n_embd]
 
 
-def _held(t: torch.Tensor | None, matrix: bool, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype if matrix else torch.float32).contiguous()
+class HeldMatrices:
+    """A model's big matrices held as rsmem's Mamba models hold theirs (:mod:`rsmem.models.ops.packed`):
+    ``[in, out]`` tensors in the compute dtype, float32 ones with oneDNN twins where packing is available
+    (one-row products stream the ``[out, in]`` matrix, several rows use the packed copy)."""
 
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.packing = packing_enabled()
+        self.packed = PackedMatrices()
 
-def mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for a matrix ``[out, in]`` held in float32 or bfloat16; float32 out."""
-    if weight.dtype == x.dtype:
-        return F.linear(x, weight)
-    return F.linear(x.to(weight.dtype), weight).float()
+    def hold(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[out, in]`` as the ``[in, out]`` tensor :meth:`linear` takes."""
+        weight_t = held_matrix(weight, self.dtype, self.packing)
+        if self.packing:
+            self.packed.add(weight_t)
+        return weight_t
+
+    def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+        """``x @ weight_t``, float32 out."""
+        return self.packed.linear(x, weight_t)
 
 
 def token_shift(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -143,13 +156,20 @@ class Rwkv7Model:
         self.emb_norm_b = weights.emb_norm_b.to(torch.float32)
         self.norm_f = weights.norm_f.to(torch.float32)
         self.norm_f_b = weights.norm_f_b.to(torch.float32)
-        self.lm_head = weights.lm_head.to(dtype).contiguous()
-        self.layers = [self._held_layer(ly, dtype) for ly in weights.layers]
+        self.held = HeldMatrices(dtype)
+        self.lm_head = self.held.hold(weights.lm_head)  # [in, out]
+        self.layers = [self._held_layer(ly) for ly in weights.layers]
 
-    def _held_layer(self, ly: Rwkv7Layer, dtype: torch.dtype) -> Rwkv7Layer:
-        """A copy of ``ly``: the matrices of :attr:`matrices` in ``dtype``, every other tensor float32."""
+    def _held_layer(self, ly: Rwkv7Layer) -> Rwkv7Layer:
+        """A copy of ``ly``: the matrices of :attr:`matrices` held ``[in, out]`` (:class:`HeldMatrices`),
+        every other tensor float32."""
         fields = {
-            name: _held(getattr(ly, name), name in self.matrices, dtype) for name in Rwkv7Layer.__slots__
+            name: None
+            if (t := getattr(ly, name)) is None
+            else self.held.hold(t)
+            if name in self.matrices
+            else t.to(torch.float32).contiguous()
+            for name in Rwkv7Layer.__slots__
         }
         return Rwkv7Layer(**fields)  # type: ignore[arg-type]
 
@@ -183,7 +203,7 @@ class Rwkv7Model:
             states.write_states(il, torch.stack([h[:, -1], f[:, -1]], dim=1), wkv)
         x = output_rows(x, ubatch.output_rows())
         x = F.layer_norm(x, (c,), self.norm_f, self.norm_f_b, cfg.eps)
-        return mm(x, self.lm_head)
+        return self.held.linear(x, self.lm_head)
 
     def time_mix(
         self,
@@ -199,10 +219,10 @@ class Rwkv7Model:
         n_seqs, n_tokens, c = x.shape
         heads = (n_seqs, n_tokens, cfg.n_head, cfg.head_size)
         xr, xw, xk, xv, xa, xg = (x + (prev - x) * ly.lerp.view(6, 1, 1, c)).unbind(0)
-        r = mm(xr, ly.receptance)
+        r = self.held.linear(xr, ly.receptance)
         log_w = -DECAY_SCALE * torch.sigmoid(ly.w0 + F.linear(torch.tanh(F.linear(xw, ly.w1)), ly.w2))
-        k = mm(xk, ly.key)
-        v = mm(xv, ly.value)
+        k = self.held.linear(xk, ly.key)
+        v = self.held.linear(xv, ly.value)
         if v_first is None:
             v_first = v
         else:
@@ -220,8 +240,8 @@ class Rwkv7Model:
             y = wkv7_chunked_(wkv, rh, log_w.view(heads), kh, vh, -kk, kk * ah, cfg.chunk_size)
         y = F.group_norm(y.reshape(-1, c), cfg.n_head, ly.ln_x, ly.ln_x_b, GROUP_NORM_EPS).view(heads)
         y = y + (rh * kh * ly.r_k.view(cfg.n_head, cfg.head_size)).sum(-1, keepdim=True) * vh
-        return mm(y.reshape(n_seqs, n_tokens, c) * g, ly.output), v_first
+        return self.held.linear(y.reshape(n_seqs, n_tokens, c) * g, ly.output), v_first
 
     def channel_mix(self, ly: Rwkv7Layer, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        k = torch.relu(mm(x + (prev - x) * ly.ffn_lerp_k, ly.ffn_key)).square()
-        return mm(k, ly.ffn_value)
+        k = torch.relu(self.held.linear(x + (prev - x) * ly.ffn_lerp_k, ly.ffn_key)).square()
+        return self.held.linear(k, ly.ffn_value)
