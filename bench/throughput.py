@@ -16,22 +16,32 @@ that keeps its model loaded): the tables give medians, and rsmem/llama.cpp is th
 ratios with their range. With ``--arch both`` a last table puts the two architectures side by side.
 transformers' Mamba-2 has no fast CPU path (its decode at 64 sequences takes minutes):
 ``--no-transformers-mamba2`` skips it, and ``--no-transformers`` skips transformers altogether.
+
+``--contention`` measures every row twice in each round, alone and with one CPU-bound process beside both
+programs (started before the row, stopped after it), and adds a table of the busy figures and of the share
+of its own quiet throughput each program keeps (median of per-round busy/quiet ratios). rsmem runs with
+the wait policy ``import rsmem`` sets (``rsmem.threads``; imported before torch here for that reason).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# isort: off
+import rsmem  # first: it sets OpenMP's wait policy, which libgomp reads when torch loads (rsmem.threads)
 import torch
 
-import rsmem
+# isort: on
 
 DECODE_SEQS = (1, 8, 64)
 
@@ -141,8 +151,8 @@ def matmul_flops_per_token(model) -> int:
 class RsmemRunner:
     """rsmem's side of each measurement, on one loaded model (compiled steps warm after the first)."""
 
-    def __init__(self, path: Path, n_prompt: int, steps: int, compile_setting: str) -> None:
-        self.model = rsmem.load_model(path, compile=compile_setting)
+    def __init__(self, path: Path, n_prompt: int, steps: int, compile_setting: str, threads: int) -> None:
+        self.model = rsmem.load_model(path, compile=compile_setting, n_threads=threads)
         self.n_prompt, self.steps = n_prompt, steps
         self.prompt = [(7 * i) % 50000 + 1 for i in range(n_prompt)]
 
@@ -229,6 +239,8 @@ class ArchResult:
     ratios: dict[str, list[float]] = field(default_factory=dict)
     compiled: bool = False
     flops_per_token: int = 0
+    busy: ArchResult | None = None  # --contention: the same rows beside one CPU-bound process
+    kept: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # name -> row -> busy/quiet
 
     def ratio(self, row: str) -> float:
         r = self.ratios.get(row)
@@ -258,7 +270,7 @@ def bench_arch(arch: str, args: argparse.Namespace) -> ArchResult:
             result.cols["transformers"] = bench_transformers(hf_model, args.prompt, max(4, args.steps // 2))
         del hf_model
         runners: dict[str, RsmemRunner | LlamaWorker] = {
-            "rsmem": RsmemRunner(gguf_path, args.prompt, args.steps, args.compile)
+            "rsmem": RsmemRunner(gguf_path, args.prompt, args.steps, args.compile, args.threads)
         }
         if args.llama_python:
             try:
@@ -267,22 +279,65 @@ def bench_arch(arch: str, args: argparse.Namespace) -> ArchResult:
                 )
             except (OSError, RuntimeError) as exc:
                 print(f"llama.cpp worker failed: {exc}")
-        samples: dict[str, dict[str, list[float]]] = {name: {row: [] for row in ROWS} for name in runners}
+        modes = {"quiet": result} | ({"busy": ArchResult()} if args.contention else {})
+        result.busy = modes.get("busy")
+        samples = {m: {name: {row: [] for row in ROWS} for name in runners} for m in modes}
         for _ in range(args.rounds):
             for row in args.rows:
-                got = {name: runner.measure(row) for name, runner in runners.items()}
-                for name, value in got.items():
-                    samples[name][row].append(value)
-                if "llama.cpp" in got:
-                    result.ratios.setdefault(row, []).append(got["rsmem"] / got["llama.cpp"])
+                got: dict[str, dict[str, float]] = {}
+                for mode, res in modes.items():
+                    with busy_neighbour(mode == "busy"):
+                        got[mode] = {name: runner.measure(row) for name, runner in runners.items()}
+                    for name, value in got[mode].items():
+                        samples[mode][name][row].append(value)
+                    if "llama.cpp" in got[mode]:
+                        res.ratios.setdefault(row, []).append(got[mode]["rsmem"] / got[mode]["llama.cpp"])
+                if "busy" in got:
+                    for name in runners:
+                        share = got["busy"][name] / got["quiet"][name]
+                        result.kept.setdefault(name, {}).setdefault(row, []).append(share)
         for runner in runners.values():
             runner.close()
-        for name, rows in samples.items():
-            result.cols[name] = {row: statistics.median(v) for row, v in rows.items() if v}
+        for mode, res in modes.items():
+            for name, rows in samples[mode].items():
+                res.cols[name] = {row: statistics.median(v) for row, v in rows.items() if v}
         model = runners["rsmem"].model  # type: ignore[union-attr]
         result.compiled = model.compile_decode
         result.flops_per_token = matmul_flops_per_token(model)
     return result
+
+
+@contextlib.contextmanager
+def busy_neighbour(on: bool) -> Iterator[None]:
+    """One CPU-bound process (a pure-Python loop: one core's worth of demand) while the block runs."""
+    if not on:
+        yield
+        return
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    time.sleep(0.2)  # running, not starting
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def print_contention(arch: str, res: ArchResult, args: argparse.Namespace) -> None:
+    """The busy figures and the share of its quiet throughput each program keeps beside the busy process."""
+    busy = res.busy
+    assert busy is not None
+    names = [n for n in ("rsmem", "llama.cpp") if n in busy.cols]
+    print(f"\n{arch} beside one CPU-bound process: tokens/s, and busy/quiet (median of per-round ratios)")
+    head = "".join(f"{n:>14}{'kept':>8}" for n in names)
+    print(f"{'':12}{head}{'rsmem/llama':>13}{'kept ratio':>12}")
+    for row in args.rows:
+        line, kept = f"{row:12}", {}
+        for n in names:
+            kept[n] = statistics.median(res.kept[n][row])
+            line += f"{busy.cols[n].get(row, float('nan')):14.1f}{kept[n]:8.0%}"
+        line += f"{busy.ratio(row):13.2f}"
+        line += f"{kept['rsmem'] / kept['llama.cpp']:12.2f}" if "llama.cpp" in kept else ""
+        print(line, flush=True)
 
 
 def print_arch(arch: str, res: ArchResult, args: argparse.Namespace, ceilings: dict[int, float]) -> None:
@@ -297,6 +352,8 @@ def print_arch(arch: str, res: ArchResult, args: argparse.Namespace, ceilings: d
         gflops = res.cols["rsmem"][row] * res.flops_per_token / 1e9
         line += f"{res.ratio(row):13.2f}{res.spread(row):>12}{gflops / ceilings[rows]:12.0%}"
         print(line, flush=True)
+    if res.busy is not None:
+        print_contention(arch, res, args)
 
 
 def print_side_by_side(results: dict[str, ArchResult], args: argparse.Namespace) -> None:
@@ -328,11 +385,13 @@ def main() -> None:
     ap.add_argument("--compile", choices=["auto", "1", "0"], default="auto", help="rsmem's decode compile")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-transformers-mamba2", action="store_true", help="skip transformers' (slow) Mamba-2")
+    ap.add_argument("--contention", action="store_true", help="each row also beside one CPU-bound process")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     ceilings = {n: matmul_ceiling(n) for n in (*DECODE_SEQS, args.prompt)}
     print("torch f32 matmul ceiling (GFLOP/s):", {k: round(v, 1) for k, v in ceilings.items()})
+    print(f"rsmem's OpenMP wait policy: {rsmem.threads.wait_policy()}")
     archs = ["mamba", "mamba2"] if args.arch == "both" else [args.arch]
     results = {}
     for arch in archs:
