@@ -74,3 +74,22 @@ def test_prefix_cache_checkpoints_serve_the_same_text(loaded) -> None:
     assert hits[0] == hits[1] == 0
     assert n_system - 1 <= hits[2] <= n_system + 1
     assert hits[3] >= len(tok.encode(prompts[3])) - 1
+
+
+def test_cache_dir_serves_a_restarted_engine(loaded, tmp_path) -> None:
+    """Checkpoints written to ``cache_dir`` (files keyed by the model's fingerprint, which samples the RWKV
+    matrices too) serve a new engine on the same model."""
+    model, tok = loaded
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = "A prompt long enough to be worth keeping, " * 2
+
+    def once() -> tuple[list[str], int]:
+        engine = Engine(Context(model, n_seq_max=1), tok, cache_bytes=64 << 20, cache_dir=tmp_path)
+        rid = engine.add_request(prompt, greedy)
+        out = [o for o in engine.run_until_done() if o.finished and o.request_id == rid][0]
+        return [c.text for c in out.outputs], out.num_cached_tokens
+
+    first, hits_first = once()
+    second, hits_second = once()
+    assert first == second and hits_first == 0
+    assert hits_second >= len(tok.encode(prompt)) - 1
