@@ -120,6 +120,21 @@ def test_captures_equal_fresh_prefixes(arch: str, compile_decode: bool) -> None:
 
 @pytest.mark.parametrize("compile_decode", COMPILE)
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_captures_change_nothing_else(arch: str, compile_decode: bool) -> None:
+    """A decode with captures leaves every logit and state bit for bit as the same decode without."""
+    m = model(arch, compile_decode)
+    rng = random.Random(1)
+    batch = Batch.from_sequences({0: tokens(21, rng), 1: tokens(21, rng)}, all_logits=True)
+    runs = []
+    for capture in (None, {0: [3, 8, 17], 1: [1, 16, 21]}):
+        ctx = Context(m, n_seq_max=2, n_batch=64, n_ubatch=64)
+        ctx.decode(batch, capture=capture)
+        runs.append([ctx.logits, *(t for t in (*ctx.memory.r_l, *ctx.memory.s_l) if t is not None)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+@pytest.mark.parametrize("compile_decode", COMPILE)
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_restored_capture_generates_as_a_fresh_sequence(arch: str, compile_decode: bool) -> None:
     """(b) A capture restored into another sequence generates greedily the tokens, and within 1e-5 the
     logits, of a fresh sequence fed the same tokens."""
