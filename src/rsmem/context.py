@@ -105,6 +105,12 @@ class Context:
         return self.model.n_vocab
 
     @property
+    def max_seq_tokens(self) -> int | None:
+        """The most positions one sequence can hold: a hybrid model's KV cells per sequence (all of them
+        when unified, shared with the other sequences); None when nothing bounds it (a recurrent memory)."""
+        return self.memory.kv_cells_per_seq if isinstance(self.memory, HybridMemory) else None
+
+    @property
     def n_rs_seq(self) -> int:
         """How many trailing positions ``memory.seq_rm`` may cut (``llama_n_rs_seq``)."""
         return self.memory.n_rs_seq

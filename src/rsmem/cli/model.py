@@ -27,6 +27,20 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bf16", action="store_true", help="keep weight matrices in bfloat16")
     p.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="hybrid models: KV cache cells in all, shared out among the sequences unless --kv-unified "
+        "(default: sequences x 4096, or x the model's context length when smaller)",
+    )
+    p.add_argument(
+        "--kv-unified",
+        action="store_true",
+        help="hybrid models: one KV cache all sequences draw on (default: an equal share each)",
+    )
+    p.add_argument(
         "--compile",
         choices=["auto", "1", "0"],
         default=None,
@@ -45,6 +59,14 @@ def model_path(model: str | None) -> Path:
     return path
 
 
+def ctx_size(args: argparse.Namespace) -> int | None:
+    """``-c``/``--ctx-size`` as typed (None: the default), checked."""
+    n = getattr(args, "ctx_size", None)
+    if n is not None and n < 1:
+        raise RsmemError(f"--ctx-size {n}: must be at least 1 (KV cells in all)")
+    return n
+
+
 def load(args: argparse.Namespace, n_seq_max: int) -> LLM:
     """The model of ``-m`` with a context of ``n_seq_max`` sequences; compiled now if it compiles."""
     from rsmem.engine import LLM
@@ -59,6 +81,8 @@ def load(args: argparse.Namespace, n_seq_max: int) -> LLM:
         dtype=dtype,
         compile=args.compile,
         n_rs_seq=getattr(args, "rollback_depth", 0),
+        n_ctx=ctx_size(args),
+        kv_unified=getattr(args, "kv_unified", False),
     )
     use_threads(llm.model, args.threads)
     if llm.tokenizer is None:

@@ -93,7 +93,9 @@ class Engine:
             raise ValueError(f"prefill_cap must be >= 0 or None, got {prefill_cap}")
         self.prefill_cap = prefill_cap
         self.step_cost = StepCost()
-        self.limits = RequestLimits(context.n_vocab, context.n_seq_max, max_prompt_tokens, max_tokens_limit)
+        self.limits = RequestLimits(
+            context.n_vocab, context.n_seq_max, max_prompt_tokens, max_tokens_limit, context.max_seq_tokens
+        )
         memory = context.memory
         self.pool = SequencePool(
             context.n_seq_max,

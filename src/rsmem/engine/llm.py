@@ -20,6 +20,7 @@ from rsmem.models.compiled import CompileSetting
 from rsmem.models.protocol import RecurrentModel
 
 Prompt = str | Sequence[int]
+SLOT_CONTEXT = 4096  # KV positions per sequence by default (a hybrid model's attention layers)
 
 
 def default_model_path() -> Path:
@@ -49,6 +50,19 @@ def load_text_model(
     return model, tokenizer
 
 
+def model_context_length(model: object) -> int | None:
+    """The context length a model was trained for (GGUF ``context_length``), when it declares one."""
+    n = getattr(getattr(model, "config", None), "n_ctx_train", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def default_n_ctx(model: object, n_seq_max: int) -> int:
+    """KV cells in all by default: ``n_seq_max`` x :data:`SLOT_CONTEXT` positions, or x the model's
+    context length when that is smaller (each sequence gets its share; see ``Context``)."""
+    per_seq = min(SLOT_CONTEXT, model_context_length(model) or SLOT_CONTEXT)
+    return max(1, n_seq_max) * per_seq
+
+
 class LLM:
     """A model with a context and an engine: ``LLM(path).generate(prompts, SamplingParams(...))``."""
 
@@ -65,7 +79,14 @@ class LLM:
         n_threads: int | None = None,
         compile: CompileSetting = None,
         n_rs_seq: int = 0,
+        n_ctx: int | None = None,
+        kv_unified: bool = False,
     ) -> None:
+        """``n_ctx``, ``kv_unified``: a hybrid model's KV cache (llama.cpp's ``-c`` and ``--kv-unified``):
+        ``n_ctx`` cells in all, ``n_ctx / n_seq_max`` (rounded up to 256) for each sequence unless
+        unified; None: :func:`default_n_ctx`. A model without attention layers ignores them."""
+        if n_ctx is not None and n_ctx < 1:
+            raise ValueError(f"n_ctx must be at least 1, got {n_ctx}")
         if model is None or isinstance(model, str | os.PathLike):
             model, loaded_tokenizer = load_text_model(
                 default_model_path() if model is None else model,
@@ -85,6 +106,8 @@ class LLM:
             n_ubatch=n_ubatch or n_batch,
             state_dtype=state_dtype,
             n_rs_seq=n_rs_seq,
+            n_ctx=default_n_ctx(model, n_seq_max) if n_ctx is None else n_ctx,
+            kv_unified=kv_unified,
         )
         self.engine = Engine(self.context, tokenizer)
 

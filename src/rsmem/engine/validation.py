@@ -7,6 +7,7 @@ a server sets. Each refusal is an :class:`~rsmem.errors.InvalidRequestError` nam
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ class RequestLimits:
     n_seq_max: int
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
+    max_context: int | None = None  # positions one sequence holds (a hybrid's KV cells per sequence)
 
 
 def check_params(params: SamplingParams, limits: RequestLimits) -> None:
@@ -58,6 +60,29 @@ def check_prompt(tokens: list[int], limits: RequestLimits) -> None:
         raise InvalidRequestError(
             "prompt", f"has {len(tokens)} tokens, more than the limit of {limits.max_prompt_tokens}"
         )
+
+
+def fit_context(
+    tokens: list[int], params: SamplingParams, limits: RequestLimits, session: Session | None
+) -> SamplingParams:
+    """Refuse a prompt (with a session's history) longer than a sequence's context; cap ``max_tokens`` so
+    generation ends (``length``) where the context is full: the last sampled token is never decoded."""
+    if limits.max_context is None:
+        return params
+    held = len(session.tokens) if session is not None else 0
+    total = held + len(tokens)
+    if total > limits.max_context:
+        history = f" ({held} of them the session's history)" if held else ""
+        raise InvalidRequestError(
+            "prompt",
+            f"has {total} tokens{history}, more than the max context of {limits.max_context} tokens a "
+            "sequence holds (the KV cache: --ctx-size / n_ctx, divided among the sequences unless "
+            "--kv-unified)",
+        )
+    room = limits.max_context - total + 1
+    if params.max_tokens is None or params.max_tokens > room:
+        return dataclasses.replace(params, max_tokens=room)
+    return params
 
 
 def check_placement(
@@ -110,6 +135,7 @@ class RequestBuilder:
         if session is not None:
             tokens = session.pending + tokens
         check_prompt(tokens, self.limits)
+        params = fit_context(tokens, params, self.limits, session)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while in_use(request_id):
