@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import cast
+
+import torch
 
 from rsmem.cli.inputs import check_output_path
 from rsmem.cli.model import model_path
@@ -51,13 +54,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     path = model_path(args.model)
     model, tokenizer = load_text_model(path)
-    if not isinstance(model, MambaFamilyModel):
-        raise RsmemError(f"{path}: info describes Mamba-family models, not {type(model).__name__}")
-    cfg = model.config
-    tensors = [model.embedding, model.norm_f] + [getattr(ly, f) for ly in model.layers for f in ly.__slots__]
-    if model.lm_head.data_ptr() != model.embedding.data_ptr():  # untied head
-        tensors.append(model.lm_head)
-    n_params = sum(t.numel() for t in tensors)
+    hybrid = isinstance(getattr(model, "kv_layers", None), Mapping)
+    if not hybrid and not isinstance(model, MambaFamilyModel):
+        raise RsmemError(f"{path}: info describes Mamba-family and hybrid models, not {type(model).__name__}")
+    cfg = getattr(model, "config", None)
+    n_params = _count_parameters([model.embedding, model.norm_f, model.lm_head, model.layers])  # type: ignore[attr-defined]
     n_attn = sum(1 for il in range(model.n_layer) if not model.is_recurrent_layer(il))
     state = 4 * (model.n_embd_r + model.n_embd_s) * (model.n_layer - n_attn)
     print(
@@ -76,13 +77,17 @@ def cmd_info(args: argparse.Namespace) -> int:
         "dt_rank",
         "n_head",
         "n_group",
+        "d_ff",
+        "n_ctx_train",
     ):
-        if hasattr(cfg, key):
+        if isinstance(getattr(cfg, key, None), int):  # per-layer tuples (Nemotron-H's d_ff) are left out
             print(f"{key + ':':<16} {getattr(cfg, key)}")
     print(f"parameters:      {n_params / 1e6:.2f} M")
     _print_tensor_types(path)
     print(f"state per layer: r {model.n_embd_r} + s {model.n_embd_s} floats")
     print(f"state per seq:   {state} bytes ({state / 1024:.1f} KiB, f32)")
+    if hybrid:
+        _print_kv(model)
     how = "torch.compile" if getattr(model, "compile_decode", False) else "eager"
     print(f"decode steps:    {how} (RSMEM_COMPILE / --compile of generate, chat, serve)")
     if tokenizer is not None:
@@ -91,6 +96,39 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"eos {tokenizer.eos_token_id}"
         )
     return 0
+
+
+def _count_parameters(objects: Sequence[object]) -> int:
+    """Values in the tensors reachable from ``objects`` (lists and slotted layer objects), each tensor
+    storage once (a tied head is not counted twice)."""
+    seen: set[int] = set()
+    total = 0
+    stack = list(objects)
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            if obj.data_ptr() not in seen:
+                seen.add(obj.data_ptr())
+                total += obj.numel()
+        elif isinstance(obj, list | tuple):
+            stack.extend(obj)
+        elif hasattr(obj, "__slots__") or hasattr(obj, "__dict__"):
+            names = getattr(obj, "__slots__", ()) or vars(obj)
+            stack.extend(getattr(obj, name, None) for name in names)
+    return total
+
+
+def _print_kv(model: object) -> None:
+    """A hybrid model's attention layers and their KV cache: bytes per token, and at 4096 tokens."""
+    from rsmem.memory.hybrid import HybridLayout, HybridMemory
+
+    memory = HybridMemory.for_model(cast(HybridLayout, model), 1, n_ctx=256)
+    per_token = memory.kv_bytes_per_token()
+    layers = sorted(memory.kv.layer_dims)
+    names = ", ".join(map(str, layers))
+    print(f"attention:       {len(layers)} layer{'s' * (len(layers) != 1)} ({names}) with a KV cache")
+    print(f"KV per token:    {per_token} bytes (K and V, f32; -c N cells in all, N/sequences each)")
+    print(f"KV at 4096:      {per_token * 4096 / 2**20:.1f} MiB per sequence (the default context)")
 
 
 def _print_tensor_types(path: Path) -> None:
