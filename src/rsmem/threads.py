@@ -3,7 +3,7 @@
 **Wait policy.** torch's OpenMP (libgomp) threads spin after each parallel region, waiting for the next
 one. On a machine where another process wants the same cores, a spinning thread holds a core its partner
 needs, so every parallel region waits for the scheduler: on a 2-core machine with one busy neighbour the
-embedded model's steps took 30-90x longer with torch's defaults than with idle threads that sleep
+embedded model's steps took 9-86x longer with torch's defaults than with idle threads that sleep
 (README's benchmark section). ``import rsmem`` therefore sets ``OMP_WAIT_POLICY=PASSIVE`` before torch
 loads, unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` or ``RSMEM_OMP_PASSIVE=0``
 (:func:`rsmem.settings.prepare_openmp_environment`). libgomp reads the variable once, when torch is
@@ -15,7 +15,7 @@ measured here, busy or not, even the embedded model's 8-token chunks (figures in
 section; ``bench/threads.py`` repeats them): under contention a process with two runnable threads also gets
 two shares of the scheduler. With spinning threads (torch imported before rsmem, or the user's own
 spinning policy) a small model's products are too small to repay a hand-off that may wait for a whole
-scheduler slice, and one thread was 5-20x faster than two on the embedded model. So :func:`auto_threads`
+scheduler slice, and one thread was 5-24x faster than two on the embedded model. So :func:`auto_threads`
 gives all cores (torch's default count at import) when OpenMP waits passively, and otherwise one thread to
 models narrower than :data:`SMALL_MODEL_WIDTH`. :func:`use_threads` applies it when a model loads
 (``rsmem.load_model``, the command line); ``threads=`` / ``-t`` / ``RSMEM_THREADS`` override. The count is
@@ -36,7 +36,7 @@ _WAIT_POLICY = settings.prepare_openmp_environment()
 _PASSIVE = settings.openmp_waits_passively()
 
 # with spinning OpenMP threads, models whose hidden size is below this run on one thread: the embedded
-# model (d_model 256) ran 5-20x faster on one thread than on two spinning ones here; the 130M configs
+# model (d_model 256) ran 5-24x faster on one thread than on two spinning ones here; the 130M configs
 # (d_model 768) are left on all cores, where a quiet machine gains from the second thread
 SMALL_MODEL_WIDTH = 512
 
