@@ -258,6 +258,8 @@ def run_server(
         served = build_app(llm, options)
         host, port = sock.getsockname()[:2]
         note = " (chat template from the model)" if served.state.settings.chat_template.source else ""
+        kv = llm.context.max_seq_tokens  # a hybrid's KV positions per slot (the prompt limit)
+        note += f", a context of {kv} tokens each (--ctx-size)" if kv is not None else ""
         out.write(
             f"rsmem serve: {served.state.settings.model_name} on http://{_url_host(host)}:{port} "
             f"with {llm.context.n_seq_max} slots{note}\n"
