@@ -19,7 +19,10 @@ scheduler slice, and one thread was 5-24x faster than two on the embedded model.
 gives all cores (torch's default count at import) when OpenMP waits passively, and otherwise one thread to
 models narrower than :data:`SMALL_MODEL_WIDTH`. :func:`use_threads` applies it when a model loads
 (``rsmem.load_model``, the command line); ``threads=`` / ``-t`` / ``RSMEM_THREADS`` override. The count is
-process-wide (``torch.set_num_threads``): the last model loaded sets it.
+process-wide (``torch.set_num_threads``): the last model loaded sets it. Choosing per call instead
+(``set_num_threads`` around small batches) would be cheap -- 0.1-0.2 us a call, and alternating 1 and 2
+threads around a small product cost nothing measurable with sleeping threads -- but it belongs in the
+models' step code, and with sleeping threads no row measured here would have chosen one thread.
 """
 
 from __future__ import annotations

@@ -80,7 +80,9 @@ class TensorDataError(ValueError):
 
 class TensorNamingReader(gguf.GGUFReader):
     """gguf's reader, building the tensor views one at a time so that a failure names its tensor (the
-    stock reader reports a truncated file as a bare numpy reshape error)."""
+    stock reader reports a truncated file as a bare numpy reshape error). It overrides the reader's
+    ``_build_tensors(start_offs, fields)``, which gguf 0.19 (pinned in pyproject.toml) calls once with
+    every tensor-info field; a test truncates a file inside each of two tensors."""
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         built: list[gguf.ReaderTensor] = []
