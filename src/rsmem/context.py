@@ -1,5 +1,8 @@
 """``Context``: a model, its recurrent memory, and the decode flow that ties them (llama.cpp's
-``llama_context`` for recurrent models).
+``llama_context`` for recurrent models). A hybrid model (one declaring ``kv_layers``) gets a
+:class:`~rsmem.memory.hybrid.HybridMemory` (a KV cache beside the recurrent memory); ``Context.memory`` is
+typed with what both offer (:class:`~rsmem.memory.protocol.SequenceMemory`), and state bytes take
+llama.cpp's layout for each (:mod:`rsmem.memory.state_io`, :mod:`rsmem.memory.hybrid_state`).
 
 ``decode(batch)``: the allocator validates and fills the batch, the memory plans its micro-batches in a
 dry run, then each micro-batch is placed (``apply``) and run through the model; the logits of the

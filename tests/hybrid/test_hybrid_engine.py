@@ -219,3 +219,17 @@ def test_llm_sizes_the_kv_for_its_sequences(lfm2):
     assert LLM(lfm2, n_seq_max=2, n_ctx=1000, kv_unified=True).context.max_seq_tokens == 1000
     with pytest.raises(ValueError, match="n_ctx"):
         LLM(lfm2, n_ctx=0)
+
+
+def test_a_kept_state_rolls_back_for_a_turn_parting_near_its_end(model):
+    """``n_rs_seq``: the recurrent part replays, the KV part is cut by position."""
+    engine = Engine(
+        Context(model, n_seq_max=1, n_batch=64, n_ubatch=16, n_ctx=512, n_rs_seq=4), prompt_cache=True
+    )
+    prompt = seq(1, 20)
+    first = run(engine, prompt).outputs[0].token_ids  # the sequence keeps prompt + first[:-1]
+    follow = prompt + list(first[:3]) + [(first[3] + 1) % N_VOCAB, 9] + seq(5, 6)
+    out = run(engine, follow)
+    assert out.num_cached_tokens == len(prompt) + 3
+    assert engine.snapshot().cache_hits_rollback == 1
+    assert out.outputs[0].token_ids == alone(model, follow)
