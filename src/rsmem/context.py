@@ -135,12 +135,12 @@ class Context:
         (``"exact"``, ``"bf16"``, ``"int8"``; see :mod:`rsmem.memory.checkpoint`), read by
         :meth:`captured`. Positions the batch does not hold are ignored. Micro-batches are not cut there:
         Mamba and Mamba-2 emit the states from their pass over the whole micro-batch (other models run it
-        as slices ending at the positions; see :mod:`rsmem.memory.capture`). A hybrid model's memory
-        (a KV cache) has no checkpoints: ``capture`` raises ValueError there, before anything runs.
+        as slices ending at the positions; see :mod:`rsmem.memory.capture`). Not on a hybrid model's memory
+        (its checkpoints carry a KV prefix): ``capture`` raises ValueError there, before anything runs.
         """
         check_codec(capture_codec)
         if capture and not isinstance(self.memory, RecurrentMemory):
-            raise ValueError("captures need a recurrent memory: a hybrid model's KV cache has no checkpoints")
+            raise ValueError("captures need a recurrent memory (on a hybrid: end the chunk, checkpoint.take)")
         self._captured = {}
         balloc = self._balloc
         balloc.init(batch, n_vocab=self.n_vocab, n_seq_max=self.n_seq_max, memory=self.memory)
