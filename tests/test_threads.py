@@ -128,3 +128,22 @@ def test_bench_threads_flag(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "default model, t1 " in out
     assert f"OpenMP wait policy: {threads.wait_policy()}" in out
+
+
+@pytest.mark.usefixtures("keep_threads")
+def test_generate_threads_flag_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rsmem.cli import main
+
+    monkeypatch.delenv("RSMEM_THREADS", raising=False)
+    args = ["generate", "ROMEO:", "-n", "2", "--seed", "1"]
+    assert main([*args, "-t", "1"]) == 0
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(threads.all_cores())
+    assert main([*args, "-t", "2"]) == 0
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(3)
+    assert main(args) == 0  # chosen by the model
+    model = rsmem.load_model(default_model_path(), n_threads=1)
+    assert torch.get_num_threads() == 1
+    assert main(args) == 0
+    assert torch.get_num_threads() == threads.auto_threads(model)
