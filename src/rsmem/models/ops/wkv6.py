@@ -28,9 +28,11 @@ def wkv6_step_(
 ) -> torch.Tensor:
     """One token of each sequence: ``r, w, k, v`` ``[Bs, H, N]`` (``w`` the decay itself), ``u`` ``[H, N]``;
     updates ``state`` ``[Bs, H, N, N]`` in place and returns ``y`` ``[Bs, H, N]``."""
-    kv = k.unsqueeze(-1) * v.unsqueeze(-2)  # [Bs, H, K, V]
-    y = torch.matmul(r.unsqueeze(-2), state + u.unsqueeze(-1) * kv).squeeze(-2)
-    state.mul_(w.unsqueeze(-1)).add_(kv)
+    bs, h, n, _ = state.shape
+    flat = state.view(bs * h, n, n)
+    y = torch.bmm(r.reshape(bs * h, 1, n), flat).view(bs, h, n)  # r^T S, then the bonus: (r . u k) v
+    y = y + (r * u * k).sum(-1, keepdim=True) * v
+    flat.mul_(w.reshape(bs * h, n, 1)).addcmul_(k.reshape(bs * h, n, 1), v.reshape(bs * h, 1, n))
     return y
 
 
