@@ -113,6 +113,8 @@ def test_captures_equal_fresh_prefixes(arch: str, compile_decode: bool) -> None:
         assert set(got) == {(0, n) for n in wanted if n > done}  # others were not in the batch
         for (_, n), ckpt in got.items():
             assert_same_state(ckpt, fresh(m, prompt[:n]))
+            # ordinary tensors, as take() outside a decode gives: a cache may hold and write them freely
+            assert not any(e.data.is_inference() for e in ckpt.s_rows if e is not None)
         if (0, len(prompt)) in got:  # the last token: the cell's own state, bit for bit
             want = checkpoint.take(ctx.memory, 0)
             assert want is not None

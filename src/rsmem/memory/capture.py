@@ -118,7 +118,8 @@ def column_slices(ubatch: UBatch, ends: Collection[int]) -> list[UBatch]:
 def take_at(memory: RecurrentMemory, ubatch: UBatch, s: int, pos: int, codec: str) -> Checkpoint:
     """The checkpoint of sequence set ``s``'s cell, which holds its state after position ``pos`` (the
     micro-batch, or the slice of it, that ended there was just run)."""
-    ckpt = take(memory, ubatch.seq_set(s)[0], codec)
+    with torch.inference_mode(False):  # ordinary tensors, as a take outside a decode gives
+        ckpt = take(memory, ubatch.seq_set(s)[0], codec)
     if ckpt is None:
         raise RuntimeError("a sequence of the micro-batch holds no cell after its forward (bookkeeping bug)")
     return dataclasses.replace(ckpt, pos=pos)
@@ -148,9 +149,10 @@ class UBatchCapture:
         for rows, mem in ((r_rows, r_mem), (s_rows, s_mem)):
             if rows.shape != (n, mem.shape[1]):
                 raise ValueError(f"layer {il}: rows of shape {tuple(rows.shape)}, wanted {(n, mem.shape[1])}")
-        r_rows, s_rows = r_rows.to(r_mem.dtype), s_rows.to(s_mem.dtype)
-        self._r[il] = [encode(r_rows[k : k + 1], self._codec) for k in range(n)]
-        self._s[il] = [encode(s_rows[k : k + 1], self._codec) for k in range(n)]
+        with torch.inference_mode(False):  # ordinary tensors, as a take outside a decode gives
+            r_rows, s_rows = r_rows.to(r_mem.dtype), s_rows.to(s_mem.dtype)
+            self._r[il] = [encode(r_rows[k : k + 1], self._codec) for k in range(n)]
+            self._s[il] = [encode(s_rows[k : k + 1], self._codec) for k in range(n)]
 
     def checkpoints(self, pos: Sequence[int]) -> list[Checkpoint]:
         """One checkpoint a point, with positions ``pos``; raises if a held layer was not kept."""
