@@ -46,11 +46,11 @@ def reference_module(version: int) -> ModuleType:
 
 
 def random_rwkv7(
-    n_embd: int = 128, n_layer: int = 3, n_vocab: int = 300, head_size: int = 64, seed: int = 0
+    n_embd: int = 128, n_layer: int = 3, n_vocab: int = 300, head_size: int = 64, seed: int = 0, d_ff: int = 0
 ) -> dict[str, torch.Tensor]:
     """A BlinkDL RWKV-7 state dict with random weights of realistic scales (low-rank dims 32, d_ff 4C)."""
     g = torch.Generator().manual_seed(seed)
-    c, f, lr = n_embd, 4 * n_embd, 32
+    c, f, lr = n_embd, d_ff or 4 * n_embd, 32
 
     def rnd(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * scale + shift
@@ -91,11 +91,11 @@ def random_rwkv7(
 
 
 def random_rwkv6(
-    n_embd: int = 128, n_layer: int = 3, n_vocab: int = 300, head_size: int = 64, seed: int = 0
+    n_embd: int = 128, n_layer: int = 3, n_vocab: int = 300, head_size: int = 64, seed: int = 0, d_ff: int = 0
 ) -> dict[str, torch.Tensor]:
     """A BlinkDL RWKV-6 state dict with random weights (mixer rank 32, decay rank 64, d_ff 3.5C)."""
     g = torch.Generator().manual_seed(seed)
-    c, f, e, de = n_embd, int(3.5 * n_embd) // 32 * 32, 32, 64
+    c, f, e, de = n_embd, d_ff or int(3.5 * n_embd) // 32 * 32, 32, 64
 
     def rnd(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * scale + shift
