@@ -10,6 +10,7 @@ bit-exact). f32 states agree within 1e-5.
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 from pathlib import Path
@@ -19,8 +20,9 @@ import torch
 
 from rsmem import Batch, Context
 from rsmem.memory import checkpoint
+from rsmem.memory.capture import accepts_capture
 from rsmem.memory.checkpoint import Checkpoint
-from rsmem.models import DecayedSumModel, Mamba2Config, MambaConfig, compiled
+from rsmem.models import DecayedSumModel, Mamba2Config, Mamba2Model, MambaConfig, compiled
 from rsmem.models.faulty import FaultyModel, InjectedFault
 from rsmem.models.ops import fused
 from rsmem.models.ops.conv import conv_windows_at, conv_windows_at_ref
@@ -246,14 +248,26 @@ def test_a_decode_that_raises_captures_nothing(after_layers: int) -> None:
 # --------------------------------------------------------------- models without in-pass capture
 
 
-@pytest.mark.parametrize("arch", ["toy", "faulty", "rwkv7"])
+class _Logged(Mamba2Model):
+    """A subclass whose own forward drops ``capture``: it must get slices, not a capture it ignores."""
+
+    def forward(self, ubatch, states):  # type: ignore[no-untyped-def, override]
+        return super().forward(ubatch, states)
+
+
+@pytest.mark.parametrize("arch", ["toy", "faulty", "rwkv7", "subclass"])
 def test_other_models_capture_by_running_slices(arch: str) -> None:
-    """A model whose forward cannot capture (the toy, a wrapper, RWKV-7) gets its micro-batch as slices
-    ending at the points: the same checkpoints, the same logits as one pass."""
+    """A model whose forward cannot capture (the toy, a wrapper, RWKV-7, a subclass whose forward takes no
+    ``capture``) gets its micro-batch as slices ending at the points: the same checkpoints, the same
+    logits as one pass."""
     if arch == "rwkv7":
         import rsmem
 
         m = rsmem.load_model(FIXTURES / "rwkv" / "rwkv7" / "model-f32.gguf")
+    elif arch == "subclass":
+        m = copy.copy(model("mamba2"))
+        m.__class__ = _Logged
+        assert not accepts_capture(m) and accepts_capture(model("mamba2"))
     else:
         m = FaultyModel(model("mamba")) if arch == "faulty" else model("toy")
     rng = random.Random(3)

@@ -31,6 +31,7 @@ from rsmem.memory.capture import (
     CaptureRequest,
     UBatchCapture,
     UBatchPlan,
+    accepts_capture,
     column_slices,
     plan_ubatch,
     take_at,
@@ -189,7 +190,7 @@ class Context:
             yield ub, self.model.forward(ub, states)
             return
         inner = plan.inner()
-        if inner and getattr(self.model, "captures_states", False):
+        if inner and accepts_capture(self.model):
             sink = UBatchCapture(self._recurrent(), [plan.points[i] for i in inner], codec)
             yield ub, self.model.forward(ub, states, capture=sink)  # type: ignore[call-arg]
             for i, ckpt in zip(inner, sink.checkpoints([plan.pos[i] for i in inner]), strict=True):

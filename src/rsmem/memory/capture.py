@@ -4,11 +4,11 @@ A capture request maps a sequence id to token counts ``n``: "the state after thi
 position ``n - 1``". For each micro-batch, :func:`plan_ubatch` finds the requested positions it holds, as
 points ``(s, t)``: sequence set ``s`` after its token ``t`` (an offset in the micro-batch). Points at a
 set's last token are read from the memory after the forward (:func:`take_at`: the cell holds that state);
-the others, the *inner* points, go to a model that emits them from its own pass (a model whose class
-sets ``captures_states``: its ``forward(ubatch, states, capture)`` hands each layer's states at
-``capture.points`` to ``capture.keep``, a :class:`UBatchCapture`), or, for any other model, the
-micro-batch is run as column slices ending at the points (:func:`column_slices`) and each is read from
-the memory like a last token.
+the others, the *inner* points, go to a model that emits them from its own pass (one whose ``forward``
+takes a ``capture`` argument, :func:`accepts_capture`: it hands each layer's states at ``capture.points``
+to ``capture.keep``, a :class:`UBatchCapture`), or, for any other model (or a wrapper whose ``forward``
+does not pass it on), the micro-batch is run as column slices ending at the points
+(:func:`column_slices`) and each is read from the memory like a last token.
 
 Every checkpoint has the ``pos`` and rows :func:`~rsmem.memory.checkpoint.take` would have recorded had
 the chunk ended at its position (rows in the memory's dtype, then in the codec).
@@ -17,6 +17,7 @@ the chunk ended at its position (rows in the memory's dtype, then in the codec).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,16 @@ class UBatchPlan:
     def ending_at(self, t: int) -> list[int]:
         """Indices of the points after token ``t``."""
         return [i for i, (_, tt) in enumerate(self.points) if tt == t]
+
+
+def accepts_capture(model: object) -> bool:
+    """Whether ``model.forward`` takes a ``capture`` argument (Mamba, Mamba-2; not a subclass or wrapper
+    whose own ``forward(ubatch, states)`` would drop it)."""
+    forward = getattr(model, "forward", None)
+    try:
+        return forward is not None and "capture" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
 
 
 def plan_ubatch(ubatch: UBatch, request: CaptureRequest) -> UBatchPlan | None:

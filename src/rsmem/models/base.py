@@ -51,7 +51,6 @@ class MambaFamilyModel:
     """
 
     arch: ClassVar[str]
-    captures_states: ClassVar[bool] = True  # forward takes ``capture`` (see rsmem.memory.capture)
     matrices: ClassVar[tuple[str, ...]]  # layer fields held transposed, [in, out], in the compute dtype
 
     def __init__(
