@@ -77,8 +77,8 @@ def embedded_gguf() -> Path:
 
 def random_130m_gguf(arch: str) -> Path:
     """A 130M-class random model (bench/throughput.py's configs) with the embedded model's tokenizer, padded
-    to the 130M vocabulary; written once to ~/.cache/rsmem-bench/models."""
-    out = CACHE / "models" / f"{arch}-130m-random-f32.gguf"
+    to the 130M vocabulary (the padding rows zeroed); written once to ~/.cache/rsmem-bench/models."""
+    out = CACHE / "models" / f"{arch}-130m-random-v2-f32.gguf"
     if out.is_file():
         return out
     import gguf
@@ -98,6 +98,9 @@ def random_130m_gguf(arch: str) -> Path:
         config = hf_config(arch)
         config.bos_token_id = config.eos_token_id = config.pad_token_id = data.eos_id
         model = (MambaForCausalLM if arch == "mamba" else Mamba2ForCausalLM)(config)
+        with torch.no_grad():  # padding tokens get logit 0, below the best real token's: text comes out
+            model.get_input_embeddings().weight[len(data.tokens) :] = 0
+            model.get_output_embeddings().weight[len(data.tokens) :] = 0
         model.save_pretrained(folder)
         special = [i for i, t in enumerate(data.token_types) if t == gguf.TokenType.CONTROL]
         vocab = {t: i for i, t in enumerate(data.tokens) if i not in special}
@@ -342,10 +345,13 @@ async def warm_up(url: str) -> None:
 HIGHER_IS_BETTER = ("gen tok/s",)
 
 
-def summarize(name: str, runs: dict[str, list[dict[str, float]]]) -> None:
-    """runs: server -> per-round figures of one workload."""
-    llama, rs = runs["llama"], runs["rsmem"]
-    print(f"\n{name}: median of {len(rs)} rounds")
+def summarize(name: str, rounds: list[dict[str, dict[str, float]]]) -> None:
+    """rounds: per round, server -> figures of one workload; a round counts when both servers finished."""
+    done = [r for r in rounds if "llama" in r and "rsmem" in r]
+    print(f"\n{name}: median of {len(done)} rounds ({len(rounds) - len(done)} lost to a server failure)")
+    if not done:
+        return
+    llama, rs = [r["llama"] for r in done], [r["rsmem"] for r in done]
     print("| metric | llama-server | rsmem | rsmem/llama (median) | worst round for rsmem |")
     print("|---|---|---|---|---|")
     for key in rs[0]:
@@ -359,34 +365,49 @@ def summarize(name: str, runs: dict[str, list[dict[str, float]]]) -> None:
         print(f"| {key} | {lm:.1f} | {rm:.1f} | {shown} |")
 
 
+Results = dict[str, list[dict[str, dict[str, float]]]]  # workload -> per round: server -> figures
+
+
+def run_server(
+    name: str,
+    label: str,
+    rnd: int,
+    gguf_path: Path,
+    texts: Texts,
+    args: argparse.Namespace,
+    tmp: Path,
+    results: Results,
+) -> None:
+    """One server's round: start it, run the workloads, stop it. A server that fails (it crashed, or a
+    request failed) loses the rest of its round; its log is kept in ~/.cache/rsmem-bench."""
+    server = make_server(name, gguf_path, args, tmp)
+    t0 = time.perf_counter()
+    try:
+        server.start()
+        print(f"[{label}] round {rnd + 1} {name:<5} started in {time.perf_counter() - t0:.1f} s", flush=True)
+        asyncio.run(warm_up(server.url))
+        for w in args.workloads:
+            figures = asyncio.run(WORKLOADS[w](server.url, texts, args))
+            results[w][rnd][name] = figures
+            shown = ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
+            print(f"[{label}] round {rnd + 1} {name:<5} {w}: {shown}", flush=True)
+    except Exception as exc:
+        code = server.proc.poll() if server.proc is not None else None
+        kept = CACHE / f"failed-{name}-round{rnd + 1}.log"
+        kept.write_bytes(server.log.read_bytes())
+        failure = f"{type(exc).__name__}: {exc}; exit code {code}"
+        print(f"[{label}] round {rnd + 1} {name} FAILED ({failure}); log: {kept}", flush=True)
+    finally:
+        server.stop()
+
+
 def run_model(label: str, gguf_path: Path, args: argparse.Namespace) -> None:
     texts = Texts(gguf_path)
-    results: dict[str, dict[str, list[dict[str, float]]]] = {
-        w: {"llama": [], "rsmem": []} for w in args.workloads
-    }
+    results: Results = {w: [{} for _ in range(args.rounds)] for w in args.workloads}
     with tempfile.TemporaryDirectory(prefix="rsmem-vs-llama-") as tmp:
         for rnd in range(args.rounds):
-            order = ["llama", "rsmem"] if rnd % 2 == 0 else ["rsmem", "llama"]
-            for name in order:
-                server = make_server(name, gguf_path, args, Path(tmp))
-                t0 = time.perf_counter()
-                try:
-                    server.start()
-                    startup = time.perf_counter() - t0
-                    asyncio.run(warm_up(server.url))
-                    for w in args.workloads:
-                        figures = asyncio.run(WORKLOADS[w](server.url, texts, args))
-                        results[w][name].append(figures)
-                        shown = ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
-                        print(f"[{label}] round {rnd + 1} {name:<5} {w}: {shown}", flush=True)
-                except Exception:
-                    kept = CACHE / f"failed-{name}.log"
-                    kept.write_bytes((Path(tmp) / f"{name}.log").read_bytes())
-                    print(f"{name} failed; its log: {kept}", file=sys.stderr)
-                    raise
-                finally:
-                    server.stop()
-                print(f"[{label}] round {rnd + 1} {name:<5} started in {startup:.1f} s", flush=True)
+            for name in ["llama", "rsmem"] if rnd % 2 == 0 else ["rsmem", "llama"]:
+                run_server(name, label, rnd, gguf_path, texts, args, Path(tmp), results)
     print(f"\n## {label} ({gguf_path.name}), {SLOTS} slots, {args.threads} threads")
     titles = {
         "a": f"(a) chat {args.conversations} conv x {args.turns} turns, TTFT of turns >= 2",
