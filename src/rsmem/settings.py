@@ -29,8 +29,9 @@ from typing import Literal
 WaitPolicy = Literal["passive", "user", "off", "too late"]
 
 
-def compile_setting() -> str:
-    return os.environ.get("RSMEM_COMPILE", "auto")
+def compile_setting(default: str = "auto") -> str:
+    """``RSMEM_COMPILE``, else ``default`` (the CLI's commands choose theirs: ``serve`` compiles)."""
+    return os.environ.get("RSMEM_COMPILE", default)
 
 
 def onednn_enabled() -> bool:

@@ -233,3 +233,27 @@ def test_prefill_cap_and_rollback_depth_flags_reach_the_engine_and_the_context()
         assert served.runner.engine.prefill_cap == 48 and served.runner.engine.pool.rollback_depth == 3
     finally:
         served.runner.stop()
+
+
+@pytest.mark.parametrize(
+    ("env", "flag", "expected"), [(None, None, "1"), ("0", None, "0"), (None, "auto", "auto")]
+)
+def test_serve_compiles_decode_steps_unless_told_otherwise(monkeypatch, env, flag, expected):
+    from rsmem.cli import build_parser
+    from rsmem.cli import serve as serve_cli
+
+    if env is None:
+        monkeypatch.delenv("RSMEM_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("RSMEM_COMPILE", env)
+    seen = []
+
+    def fake_load(args, n_seq_max):
+        seen.append(args.compile)
+        raise RuntimeError("stop before loading")
+
+    monkeypatch.setattr(serve_cli, "load", fake_load)
+    argv = ["serve", "--port", "0"] + (["--compile", flag] if flag else [])
+    with pytest.raises(RuntimeError, match="stop before loading"):
+        serve_cli.cmd_serve(build_parser().parse_args(argv))
+    assert seen == [expected]

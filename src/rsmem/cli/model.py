@@ -45,7 +45,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         choices=["auto", "1", "0"],
         default=None,
         help="decode steps through torch.compile: auto (models of 16M+ matrix weights), 1 or 0 "
-        "(default: $RSMEM_COMPILE, else auto)",
+        "(default: $RSMEM_COMPILE, else auto; serve: else 1)",
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rsmem import settings
 from rsmem.cli.model import add_model_options, load, model_path
 
 
@@ -112,6 +113,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     SIGINT/SIGTERM, which finish or cancel in-flight work within --shutdown-timeout and exit 0."""
     from rsmem.server import ServeOptions, bind_socket, run_server
 
+    if args.compile is None:  # a server runs for long: compiled decode steps pay for their seconds
+        args.compile = settings.compile_setting(default="1")
     options = ServeOptions.from_args(args, model_path=model_path(args.model))
     options.check()
     sock = bind_socket(options.host, options.port)
