@@ -30,8 +30,9 @@ scan blocks, where they cost a partial sum (Mamba-2) or one more block (Mamba) e
 | Mamba, compiled, every 60 | 1653 (1611) | 2195 (1943) | 1761 (1650) |
 | Mamba-2, every 60 | 1622 (1592) | 1895 (1878) | 1765 (1756) |
 
-Cutting the chunks costs 17-33% of the prefill; captures cost 0-2% at chunk-aligned points and 6-9% with
-eight points inside chunks (Mamba-2: 0.3-0.65 ms a point a layer for the partial sum, by its length).
+Cutting the chunks costs 15-33% of the prefill; captures cost 0-4% at chunk-aligned points (medians;
+the lowest rounds within 1%) and 6-9% with eight points inside chunks (Mamba-2: 0.3-0.65 ms a point a
+layer for the partial sum, by its length).
 Without captures the prefill is unchanged: the same logits bit for bit, and in a paired run against the
 tree before captures (one process, alternating, 8 rounds) new/base was 0.998 (0.93-1.04) for Mamba-2
 and 1.025 (0.91-1.06, equal lowest rounds) for Mamba.
