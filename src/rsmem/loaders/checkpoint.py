@@ -77,7 +77,7 @@ def build_model(
     from rsmem.loaders.rwkv import RWKV_ARCHS, build_rwkv  # it imports this module's Checkpoint
 
     if ckpt.arch in RWKV_ARCHS:
-        return build_rwkv(ckpt, dtype)  # type: ignore[return-value]
+        return build_rwkv(ckpt, dtype, compile)  # type: ignore[return-value]
     raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
 
 

@@ -17,6 +17,7 @@ import torch
 
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.rwkv6 import build_rwkv6, rwkv6_config
+from rsmem.models.compiled import CompileSetting
 from rsmem.models.rwkv6 import Rwkv6Config, Rwkv6Model
 from rsmem.models.rwkv7 import Rwkv7Config, Rwkv7Layer, Rwkv7Model, Rwkv7Weights
 
@@ -71,16 +72,19 @@ def config_from_gguf(
         raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
 
 
-def build_rwkv(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> Rwkv7Model | Rwkv6Model:
-    """The model of ``ckpt``; ``dtype``: its big matrices' (float32 or bfloat16)."""
+def build_rwkv(
+    ckpt: Checkpoint, dtype: torch.dtype = torch.float32, compile: CompileSetting = None
+) -> Rwkv7Model | Rwkv6Model:
+    """The model of ``ckpt``; ``dtype``: its big matrices' (float32 or bfloat16); ``compile``: RWKV-7's
+    compiled one-sequence decode step (see ``Rwkv7Model.set_compile``)."""
     if ckpt.arch == "rwkv7":
-        return _rwkv7(ckpt, dtype)
+        return _rwkv7(ckpt, dtype, compile)
     if ckpt.arch == "rwkv6":
         return build_rwkv6(ckpt, dtype)
     raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
 
 
-def _rwkv7(ckpt: Checkpoint, dtype: torch.dtype) -> Rwkv7Model:
+def _rwkv7(ckpt: Checkpoint, dtype: torch.dtype, compile: CompileSetting) -> Rwkv7Model:
     cfg = ckpt.config
     assert isinstance(cfg, Rwkv7Config)
     d, f = cfg.d_model, cfg.d_ff
@@ -140,7 +144,7 @@ def _rwkv7(ckpt: Checkpoint, dtype: torch.dtype) -> Rwkv7Model:
         norm_f_b=ckpt.get(name(T.OUTPUT_NORM, None, ".bias"), (d,)),
         lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
     )
-    return Rwkv7Model(cfg, weights, dtype=dtype)
+    return Rwkv7Model(cfg, weights, dtype=dtype, compile=compile)
 
 
 # ------------------------------------------------------------------ BlinkDL checkpoints

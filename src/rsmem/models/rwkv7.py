@@ -14,6 +14,7 @@ The channel mix: one lerp, ``relu(key x)^2``, value.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,9 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
+from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_step_
+from rsmem.models.ops.wkv_fused import N_PER_LAYER, RWKV7_FIELDS, rwkv7_token_one_
 from rsmem.models.protocol import StateAccess
 
 if TYPE_CHECKING:
@@ -137,13 +140,18 @@ class Rwkv7Model:
     """An RWKV-7 language model implementing :class:`~rsmem.models.protocol.RecurrentModel` (float32)."""
 
     arch = "rwkv7"
-    compile_decode = False
     matrices = ("receptance", "key", "value", "output", "ffn_key", "ffn_value")  # held in ``dtype``
 
     def __init__(
-        self, config: Rwkv7Config, weights: Rwkv7Weights, *, dtype: torch.dtype = torch.float32
+        self,
+        config: Rwkv7Config,
+        weights: Rwkv7Weights,
+        *,
+        dtype: torch.dtype = torch.float32,
+        compile: CompileSetting = None,
     ) -> None:
-        """``dtype``: the big matrices' and the head's (float32 or bfloat16); everything else is float32."""
+        """``dtype``: the big matrices' and the head's (float32 or bfloat16); everything else is float32.
+        ``compile``: whether one-sequence decode steps run compiled (see :meth:`set_compile`)."""
         self.config = config
         self.dtype = dtype
         self.n_vocab = config.n_vocab
@@ -159,6 +167,12 @@ class Rwkv7Model:
         self.held = HeldMatrices(dtype)
         self.lm_head = self.held.hold(weights.lm_head)  # [in, out]
         self.layers = [self._held_layer(ly) for ly in weights.layers]
+        matrices = [self.lm_head, *(getattr(ly, name) for ly in self.layers for name in self.matrices)]
+        self._n_matrix_weights = sum(m.numel() for m in matrices)
+        # the compiled step streams [out, in] rows: float32 matrices held as views of them (with packing)
+        self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
+        self.compile_decode = False
+        self.set_compile(compile)
 
     def _held_layer(self, ly: Rwkv7Layer) -> Rwkv7Layer:
         """A copy of ``ly``: the matrices of :attr:`matrices` held ``[in, out]`` (:class:`HeldMatrices`),
@@ -176,11 +190,31 @@ class Rwkv7Model:
     def is_recurrent_layer(self, il: int) -> bool:
         return True
 
-    def set_compile(self, setting: object) -> bool:
-        return False
+    def set_compile(self, setting: CompileSetting) -> bool:
+        """Whether a one-sequence decode step runs as one compiled function (:mod:`rsmem.models.compiled`:
+        ``"auto"``, True/False, ``"1"``/``"0"``; None reads ``RSMEM_COMPILE``); only with matrices held as
+        float32 ``[out, in]`` rows. Returns the decision."""
+        decided = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
+        self.compile_decode = decided and self._rows_contiguous
+        if self.compile_decode and not hasattr(self, "_token_one"):
+            # args: x, emb_norm, emb_norm_b, norm_f, norm_f_b, lm_head, eps, n_head, then per layer
+            # N_PER_LAYER tensors ending with the shift rows and the WKV state (written)
+            self._token_one = CompiledStep(
+                rwkv7_token_one_, mutated=lambda i: i >= 8 and (i - 8) % N_PER_LAYER >= N_PER_LAYER - 2
+            )
+        return self.compile_decode
 
     def warm_up(self) -> float:
-        return 0.0
+        """Compile the one-sequence step now on a scratch memory; the seconds it took (0: not compiling)."""
+        if not self.compile_decode:
+            return 0.0
+        from rsmem.batch.batch import Batch  # here: rsmem.context imports the models package
+        from rsmem.context import Context
+
+        started = time.perf_counter()
+        Context(self).decode(Batch([1, 2]))
+        Context(self).decode(Batch([1]))
+        return time.perf_counter() - started
 
     def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         """Logits of the micro-batch's output tokens; reads and writes each layer's states."""
@@ -188,6 +222,10 @@ class Rwkv7Model:
         tokens = ubatch.token_tensor()  # [Bs, L]
         n_seqs = tokens.shape[0]
         c = cfg.d_model
+        if self.compile_decode and tokens.numel() == 1:
+            logits = self._decode_one(tokens[0], states)
+            if logits is not None:
+                return logits[: len(ubatch.output_rows())]
         x = F.layer_norm(self.embedding[tokens], (c,), self.emb_norm, self.emb_norm_b, cfg.eps)
         v_first: torch.Tensor | None = None
         for il, ly in enumerate(self.layers):
@@ -204,6 +242,30 @@ class Rwkv7Model:
         x = output_rows(x, ubatch.output_rows())
         x = F.layer_norm(x, (c,), self.norm_f, self.norm_f_b, cfg.eps)
         return self.held.linear(x, self.lm_head)
+
+    def _decode_one(self, token: torch.Tensor, states: StateAccess) -> torch.Tensor | None:
+        """One token of one sequence through the compiled step (:mod:`~rsmem.models.ops.wkv_fused`); None
+        (nothing read) when the state rows are not float32."""
+        cfg = self.config
+        rows = [states.read_states(il) for il in range(self.n_layer)]
+        if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows):
+            return None  # decoded eagerly: reading the rows again is harmless (moved once a micro-batch)
+        flat: list[torch.Tensor] = []
+        for ly, (r, s) in zip(self.layers, rows, strict=True):
+            for name in RWKV7_FIELDS:
+                t = getattr(ly, name)
+                if t is None:  # the first layer's unused value-residual mix
+                    t = {"v0": ly.a0, "v1": ly.a1, "v2": ly.a2}[name]
+                flat.append(t.t() if name in self.matrices else t)
+            flat += [r.view(1, 2, cfg.d_model), s.view(1, cfg.n_head, cfg.head_size, cfg.head_size)]
+        x = self.embedding[token]  # [1, C]
+        logits = self._token_one(
+            x, self.emb_norm, self.emb_norm_b, self.norm_f, self.norm_f_b, self.lm_head.t(), cfg.eps,
+            cfg.n_head, *flat,
+        )  # fmt: skip
+        for il in range(self.n_layer):
+            states.write_states(il, flat[(il + 1) * N_PER_LAYER - 2], flat[(il + 1) * N_PER_LAYER - 1])
+        return logits
 
     def time_mix(
         self,

@@ -1,0 +1,86 @@
+"""A whole one-sequence RWKV-7 decode step as one function, for ``torch.compile`` (see
+:mod:`rsmem.models.compiled`): every block and the head, matrices ``[out, in]`` as fused reductions
+(:func:`~rsmem.models.ops.fused.gemv`), the WKV update written elementwise so that inductor fuses it.
+
+``rwkv7_token_one_(x, emb_norm, emb_norm_b, norm_f, norm_f_b, lm_head, eps, n_head, *flat)``: ``x`` the
+token's embedding row ``[1, C]``; ``flat`` holds, per layer, the :data:`RWKV7_FIELDS` tensors (the first
+layer's unused ``v0, v1, v2`` may be any tensors of their shapes) followed by its token-shift rows
+``[1, 2, C]`` and WKV state ``[1, H, N, N]``, both updated in place. Returns the logits ``[1, n_vocab]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rsmem.models.ops.fused import gemv
+
+RWKV7_FIELDS = (
+    "attn_norm", "attn_norm_b", "ffn_norm", "ffn_norm_b", "lerp", "w0", "w1", "w2", "a0", "a1", "a2",
+    "v0", "v1", "v2", "g1", "g2", "k_k", "k_a", "r_k", "receptance", "key", "value", "output", "ln_x",
+    "ln_x_b", "ffn_lerp_k", "ffn_key", "ffn_value",
+)  # fmt: skip
+N_PER_LAYER = len(RWKV7_FIELDS) + 2  # then shift, wkv
+GROUP_NORM_EPS = 64e-5
+DECAY_SCALE = 0.606531
+
+
+def _time_mix_one(
+    x: torch.Tensor, prev: torch.Tensor, v_first: torch.Tensor | None, n_head: int, *t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    (_, _, _, _, lerp, w0, w1, w2, a0, a1, a2, v0, v1, v2, g1, g2, k_k, k_a, r_k, wr, wk, wv, wo,
+     ln_x, ln_x_b, _, _, _, _, wkv) = t  # fmt: skip
+    c = x.shape[-1]
+    n = c // n_head
+    xr, xw, xk, xv, xa, xg = (x + (prev - x) * lerp.view(6, 1, c)).unbind(0)
+    r = gemv(xr, wr)
+    w = torch.exp(-DECAY_SCALE * torch.sigmoid(w0 + F.linear(torch.tanh(F.linear(xw, w1)), w2)))
+    k = gemv(xk, wk)
+    v = gemv(xv, wv)
+    if v_first is None:
+        v_first = v
+    else:
+        v = v + (v_first - v) * torch.sigmoid(v0 + F.linear(F.linear(xv, v1), v2))
+    a = torch.sigmoid(a0 + F.linear(F.linear(xa, a1), a2))
+    g = F.linear(torch.sigmoid(F.linear(xg, g1)), g2)
+    kk = F.normalize((k * k_k).view(n_head, n), dim=-1, p=2.0, eps=1e-12)
+    k = k * (1 + (a - 1) * k_a)
+    rh, kh, vh, wh = r.view(n_head, n), k.view(n_head, n), v.view(n_head, n), w.view(n_head, n)
+    b = kk * a.view(n_head, n)
+    state = wkv[0]  # [H, V, K]
+    sa = (state * (-kk).unsqueeze(-2)).sum(-1)  # [H, V]
+    new = state * wh.unsqueeze(-2) + sa.unsqueeze(-1) * b.unsqueeze(-2) + vh.unsqueeze(-1) * kh.unsqueeze(-2)
+    state.copy_(new)
+    y = (new * rh.unsqueeze(-2)).sum(-1)  # [H, V]
+    y = F.group_norm(y.reshape(1, c), n_head, ln_x, ln_x_b, GROUP_NORM_EPS).view(n_head, n)
+    y = y + (rh * kh * r_k.view(n_head, n)).sum(-1, keepdim=True) * vh
+    return gemv(y.reshape(1, c) * g, wo), v_first
+
+
+def rwkv7_token_one_(
+    x: torch.Tensor,
+    emb_norm: torch.Tensor,
+    emb_norm_b: torch.Tensor,
+    norm_f: torch.Tensor,
+    norm_f_b: torch.Tensor,
+    lm_head: torch.Tensor,
+    eps: float,
+    n_head: int,
+    *flat: torch.Tensor,
+) -> torch.Tensor:
+    c = x.shape[-1]
+    x = F.layer_norm(x, (c,), emb_norm, emb_norm_b, eps)
+    v_first: torch.Tensor | None = None
+    for i in range(0, len(flat), N_PER_LAYER):
+        t = flat[i : i + N_PER_LAYER]
+        attn_norm, attn_norm_b, ffn_norm, ffn_norm_b = t[0], t[1], t[2], t[3]
+        ffn_lerp_k, ffn_key, ffn_value, shift = t[-5], t[-4], t[-3], t[-2]
+        h = F.layer_norm(x, (c,), attn_norm, attn_norm_b, eps)
+        out, v_first = _time_mix_one(h, shift[:, 0], v_first, n_head, *t)
+        x = x + out
+        f = F.layer_norm(x, (c,), ffn_norm, ffn_norm_b, eps)
+        kf = torch.relu(gemv(f + (shift[:, 1] - f) * ffn_lerp_k, ffn_key)).square()
+        x = x + gemv(kf, ffn_value)
+        shift[:, 0].copy_(h)
+        shift[:, 1].copy_(f)
+    return gemv(F.layer_norm(x, (c,), norm_f, norm_f_b, eps), lm_head)

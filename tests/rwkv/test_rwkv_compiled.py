@@ -1,0 +1,51 @@
+"""RWKV-7's compiled one-sequence decode step (ops.wkv_fused under torch.compile) against the eager model:
+the same logits and the same state rows, token by token; half-precision state rows decode eagerly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import rsmem
+from rsmem import Batch, Context
+from rsmem.models.compiled import has_cxx_compiler
+
+MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv" / "rwkv7" / "model-f32.gguf"
+PROMPT = list(range(1, 12))
+
+
+@pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")
+def test_compiled_step_matches_eager() -> None:
+    eager = rsmem.load_model(MODEL, compile=False)
+    compiled = rsmem.load_model(MODEL, compile=True)
+    assert not eager.compile_decode and compiled.compile_decode
+    contexts = [Context(m, n_seq_max=2) for m in (eager, compiled)]
+    for ctx in contexts:
+        ctx.decode(Batch(PROMPT))
+    for tok in (5, 261, 17, 299):
+        outs = []
+        for ctx in contexts:
+            ctx.decode(Batch([tok]))
+            outs.append(ctx.get_logits(-1))
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
+    blobs = [ctx.state_seq_get_data(0) for ctx in contexts]
+    assert len(blobs[0]) == len(blobs[1]) and blobs[0][:28] == blobs[1][:28]
+    offset = 28
+    for row_bytes in [2 * 128 * 4] * 2 + [128 * 64 * 4] * 2:  # r rows of both layers, then s rows
+        assert blobs[0][offset : offset + 12] == blobs[1][offset : offset + 12]
+        a, b = (
+            torch.frombuffer(bytearray(x[offset + 12 : offset + 12 + row_bytes]), dtype=torch.float32)
+            for x in blobs
+        )
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        assert a.abs().max() > 0
+        offset += 12 + row_bytes
+    assert offset == len(blobs[0])
+    # half-precision rows: the compiled step declines, the eager path decodes (same logits as eager)
+    halves = [Context(m, state_dtype=torch.float16) for m in (eager, compiled)]
+    for ctx in halves:
+        ctx.decode(Batch(PROMPT))
+        ctx.decode(Batch([5]))
+    torch.testing.assert_close(halves[1].get_logits(-1), halves[0].get_logits(-1), rtol=0, atol=0)
