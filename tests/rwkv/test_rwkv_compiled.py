@@ -1,5 +1,6 @@
-"""RWKV-7's compiled one-sequence decode step (ops.wkv_fused under torch.compile) against the eager model:
-the same logits and the same state rows, token by token; half-precision state rows decode eagerly."""
+"""The compiled one-sequence decode steps of RWKV-7 and RWKV-6 (ops.wkv_fused under torch.compile) against
+the eager models: the same logits and the same state rows, token by token; half-precision state rows
+decode eagerly."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import rsmem
 from rsmem import Batch, Context
 from rsmem.models.compiled import has_cxx_compiler
 
-MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv" / "rwkv7" / "model-f32.gguf"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv"
 PROMPT = list(range(1, 12))
 
 
 @pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")
-def test_compiled_step_matches_eager() -> None:
-    eager = rsmem.load_model(MODEL, compile=False)
-    compiled = rsmem.load_model(MODEL, compile=True)
+@pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
+def test_compiled_step_matches_eager(arch: str) -> None:
+    eager = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=False)
+    compiled = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=True)
     assert not eager.compile_decode and compiled.compile_decode
     contexts = [Context(m, n_seq_max=2) for m in (eager, compiled)]
     for ctx in contexts:

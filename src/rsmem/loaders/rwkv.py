@@ -75,12 +75,12 @@ def config_from_gguf(
 def build_rwkv(
     ckpt: Checkpoint, dtype: torch.dtype = torch.float32, compile: CompileSetting = None
 ) -> Rwkv7Model | Rwkv6Model:
-    """The model of ``ckpt``; ``dtype``: its big matrices' (float32 or bfloat16); ``compile``: RWKV-7's
-    compiled one-sequence decode step (see ``Rwkv7Model.set_compile``)."""
+    """The model of ``ckpt``; ``dtype``: its big matrices' (float32 or bfloat16); ``compile``: the compiled
+    one-sequence decode step (see ``Rwkv7Model.set_compile``)."""
     if ckpt.arch == "rwkv7":
         return _rwkv7(ckpt, dtype, compile)
     if ckpt.arch == "rwkv6":
-        return build_rwkv6(ckpt, dtype)
+        return build_rwkv6(ckpt, dtype, compile)
     raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
 
 

@@ -12,6 +12,7 @@ import gguf
 import torch
 
 from rsmem.errors import ModelFormatError
+from rsmem.models.compiled import CompileSetting
 from rsmem.models.rwkv6 import Rwkv6Config, Rwkv6Layer, Rwkv6Model, Rwkv6Weights
 
 if TYPE_CHECKING:
@@ -57,7 +58,9 @@ def rwkv6_config(
         raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
 
 
-def build_rwkv6(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> Rwkv6Model:
+def build_rwkv6(
+    ckpt: Checkpoint, dtype: torch.dtype = torch.float32, compile: CompileSetting = None
+) -> Rwkv6Model:
     cfg = ckpt.config
     assert isinstance(cfg, Rwkv6Config)
     d, f, e, de = cfg.d_model, cfg.d_ff, cfg.time_mix_extra_dim, cfg.time_decay_extra_dim
@@ -110,7 +113,7 @@ def build_rwkv6(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> Rwkv6Mo
         norm_f_b=ckpt.get(name(T.OUTPUT_NORM, None, ".bias"), (d,)),
         lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
     )
-    return Rwkv6Model(cfg, weights, dtype=dtype)
+    return Rwkv6Model(cfg, weights, dtype=dtype, compile=compile)
 
 
 def rwkv6_from_blink(sd: Mapping[str, torch.Tensor]) -> tuple[Rwkv6Config, dict[str, torch.Tensor]]:

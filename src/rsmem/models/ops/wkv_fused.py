@@ -84,3 +84,68 @@ def rwkv7_token_one_(
         shift[:, 0].copy_(h)
         shift[:, 1].copy_(f)
     return gemv(F.layer_norm(x, (c,), norm_f, norm_f_b, eps), lm_head)
+
+
+# ---------------------------------------------------------------------------------------------- RWKV-6
+
+RWKV6_FIELDS = (
+    "attn_norm", "attn_norm_b", "ffn_norm", "ffn_norm_b", "lerp_x", "lerp", "w1", "w2", "decay", "decay_w1",
+    "decay_w2", "first", "receptance", "key", "value", "gate", "output", "ln_x", "ln_x_b", "ffn_lerp_k",
+    "ffn_lerp_r", "ffn_key", "ffn_value", "ffn_receptance",
+)  # fmt: skip
+N6_PER_LAYER = len(RWKV6_FIELDS) + 2  # then shift, wkv
+
+
+def _rwkv6_time_mix_one(x: torch.Tensor, prev: torch.Tensor, n_head: int, *t: torch.Tensor) -> torch.Tensor:
+    (_, _, _, _, lerp_x, lerp, w1, w2, decay, decay_w1, decay_w2, u, wr, wk, wv, wg, wo, ln_x, ln_x_b,
+     _, _, _, _, _, _, wkv) = t  # fmt: skip
+    c = x.shape[-1]
+    n = c // n_head
+    sx = prev - x
+    mixer = torch.tanh(F.linear(x + sx * lerp_x, w1)).view(5, 1, -1)  # [5, 1, extra]
+    offsets = (w2 * mixer).sum(-1)  # [5, C]
+    xw, xk, xv, xr, xg = (x + sx * (offsets + lerp)).unbind(0)
+    r = gemv(xr.unsqueeze(0), wr).view(n_head, n)
+    k = gemv(xk.unsqueeze(0), wk).view(n_head, n)
+    v = gemv(xv.unsqueeze(0), wv).view(n_head, n)
+    g = F.silu(gemv(xg.unsqueeze(0), wg))
+    w = torch.exp(-torch.exp(decay + F.linear(torch.tanh(F.linear(xw, decay_w1)), decay_w2))).view(n_head, n)
+    state = wkv[0]  # [H, K, V]
+    y = (state * r.unsqueeze(-1)).sum(-2) + (r * u * k).sum(-1, keepdim=True) * v  # [H, V]
+    state.copy_(state * w.unsqueeze(-1) + k.unsqueeze(-1) * v.unsqueeze(-2))
+    y = F.group_norm(y.reshape(1, c), n_head, ln_x, ln_x_b, GROUP_NORM_EPS)
+    return gemv(y * g, wo)
+
+
+def rwkv6_token_one_(
+    x: torch.Tensor,
+    emb_norm: torch.Tensor,
+    emb_norm_b: torch.Tensor,
+    norm_f: torch.Tensor,
+    norm_f_b: torch.Tensor,
+    lm_head: torch.Tensor,
+    eps: float,
+    n_head: int,
+    rescale_every: int,
+    *flat: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`rwkv7_token_one_` for RWKV-6 (per layer the :data:`RWKV6_FIELDS`, then shift and state),
+    halving the residual after every ``rescale_every``-th layer (0: never)."""
+    c = x.shape[-1]
+    x = F.layer_norm(x, (c,), emb_norm, emb_norm_b, eps)
+    for il, i in enumerate(range(0, len(flat), N6_PER_LAYER)):
+        t = flat[i : i + N6_PER_LAYER]
+        attn_norm, attn_norm_b, ffn_norm, ffn_norm_b = t[0], t[1], t[2], t[3]
+        lerp_k, lerp_r, w_key, w_value, w_rec, shift = t[-7], t[-6], t[-5], t[-4], t[-3], t[-2]
+        h = F.layer_norm(x, (c,), attn_norm, attn_norm_b, eps)
+        x = x + _rwkv6_time_mix_one(h, shift[:, 0], n_head, *t)
+        f = F.layer_norm(x, (c,), ffn_norm, ffn_norm_b, eps)
+        sx = shift[:, 1] - f
+        rf = torch.sigmoid(gemv(f + sx * lerp_r, w_rec))
+        kf = torch.relu(gemv(f + sx * lerp_k, w_key)).square()
+        x = x + rf * gemv(kf, w_value)
+        if rescale_every and (il + 1) % rescale_every == 0:
+            x = x * 0.5
+        shift[:, 0].copy_(h)
+        shift[:, 1].copy_(f)
+    return gemv(F.layer_norm(x, (c,), norm_f, norm_f_b, eps), lm_head)
