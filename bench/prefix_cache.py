@@ -223,6 +223,7 @@ def main() -> None:
     print_ratios(results, args)
     if args.by_turn:
         for (workload, name), runs in results.items():
+            turns = sorted(runs[0][0].ttft_by_turn)
             by_turn = {k: statistics.median(x for t, _ in runs for x in t.ttft_by_turn[k]) for k in turns}
             print(workload, name, " ".join(f"{k + 1}:{v * 1e3:.0f}ms" for k, v in by_turn.items()))
 
