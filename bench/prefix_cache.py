@@ -60,6 +60,7 @@ class Tally:
     cached: int = 0
     resent: int = 0  # prompt tokens of turns >= 2 that the previous turn also sent
     resent_cached: int = 0
+    texts: dict[tuple, str] = field(default_factory=dict)  # every answer, by (conversation, turn, ask)
 
 
 def free_port() -> int:
@@ -111,9 +112,11 @@ async def conversation(client, url, k: int, turns: int, system: str, tally: Tall
         messages.append({"role": "user", "content": f"{QUESTIONS[(k + turn) % len(QUESTIONS)]} ({k}.{turn})"})
         ttft, text, usage = await ask(client, url, messages, 12)
         record(tally, turn, ttft, usage, previous)
+        tally.texts[(k, turn, 0)] = text
         if regenerate:
             ttft, text, usage = await ask(client, url, messages, 12)
             record(tally, turn, ttft, usage, usage["prompt_tokens"])
+            tally.texts[(k, turn, 1)] = text
         previous = usage["prompt_tokens"]
         messages.append({"role": "assistant", "content": text})
 
@@ -122,10 +125,14 @@ async def fanout(client, url, branches: int, context: str, tally: Tally) -> None
     base = [{"role": "system", "content": context}, {"role": "user", "content": "Tell the tale."}]
     ttft, text, usage = await ask(client, url, base, 12)
     record(tally, 0, ttft, usage, 0)
+    tally.texts[(0, 0, 0)] = text
     shared = [*base, {"role": "assistant", "content": text}]
     for b in range(branches):
-        ttft, _, usage = await ask(client, url, [*shared, {"role": "user", "content": QUESTIONS[b % 5]}], 12)
+        ttft, answer, usage = await ask(
+            client, url, [*shared, {"role": "user", "content": QUESTIONS[b % 5]}], 12
+        )
         record(tally, 1, ttft, usage, usage["prompt_tokens"])
+        tally.texts[(b, 1, 0)] = answer
 
 
 def serve(llm: LLM, options: dict):
@@ -221,6 +228,12 @@ def main() -> None:
             f"| {statistics.median(ratio) if ratio else float('nan'):.2f} | {mb:.1f} |"
         )
     print_ratios(results, args)
+    first = args.servers[0]
+    for (workload, name), runs in results.items():
+        same = [
+            t.texts == base.texts for (t, _), (base, _) in zip(runs, results[(workload, first)], strict=True)
+        ]
+        print(f"{workload} {name}: answers identical to {first}'s in {sum(same)} of {len(same)} rounds")
     if args.by_turn:
         for (workload, name), runs in results.items():
             turns = sorted(runs[0][0].ttft_by_turn)
