@@ -70,7 +70,6 @@ def ctx_size(args: argparse.Namespace) -> int | None:
 def load(args: argparse.Namespace, n_seq_max: int) -> LLM:
     """The model of ``-m`` with a context of ``n_seq_max`` sequences; compiled now if it compiles."""
     from rsmem.engine import LLM
-    from rsmem.models.base import MambaFamilyModel
 
     path = model_path(args.model)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -87,8 +86,8 @@ def load(args: argparse.Namespace, n_seq_max: int) -> LLM:
     use_threads(llm.model, args.threads)
     if llm.tokenizer is None:
         raise RsmemError(f"{path} has no tokenizer: text generation needs one")
-    model = llm.model
-    if isinstance(model, MambaFamilyModel) and model.compile_decode:  # say so, and pay it now, not mid-text
+    warm_up = getattr(llm.model, "warm_up", None)
+    if getattr(llm.model, "compile_decode", False) and callable(warm_up):  # say so, pay it now, not mid-text
         sys.stderr.write("[compiling decode steps (torch.compile; cached for later runs)...]\n")
-        sys.stderr.write(f"[compiled in {model.warm_up():.1f} s]\n")
+        sys.stderr.write(f"[compiled in {warm_up():.1f} s]\n")
     return llm

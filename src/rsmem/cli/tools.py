@@ -22,10 +22,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     info.add_argument("model", nargs="?", help="GGUF file or HF folder (default: the embedded model)")
     info.set_defaults(func=cmd_info)
 
-    conv = sub.add_parser("convert", help="convert a Hugging Face Mamba/Mamba-2 folder to GGUF")
-    conv.add_argument("hf_dir")
+    conv = sub.add_parser(
+        "convert", help="convert a Hugging Face model folder or a BlinkDL RWKV-6/7 .pth checkpoint to GGUF"
+    )
+    conv.add_argument("hf_dir", metavar="source", help="a Hugging Face model folder or an RWKV .pth file")
     conv.add_argument("out")
     conv.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16")
+    conv.add_argument(
+        "--vocab",
+        metavar="FILE",
+        help=".pth only: the RWKV World vocabulary (rwkv_vocab_v20230424.txt) to store as the tokenizer "
+        "(without it the GGUF has none, and cannot generate text)",
+    )
     conv.set_defaults(func=cmd_convert)
 
     bench = sub.add_parser("bench", help="tokens per second: default model and 130M configs")
@@ -55,10 +63,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     path = model_path(args.model)
     model, tokenizer = load_text_model(path)
     hybrid = isinstance(getattr(model, "kv_layers", None), Mapping)
-    if not hybrid and not isinstance(model, MambaFamilyModel):
-        raise RsmemError(f"{path}: info describes Mamba-family and hybrid models, not {type(model).__name__}")
+    rwkv = getattr(model, "arch", None) in RWKV_ARCHS
+    if not hybrid and not rwkv and not isinstance(model, MambaFamilyModel):
+        raise RsmemError(
+            f"{path}: info describes Mamba-family, RWKV and hybrid models, not {type(model).__name__}"
+        )
     cfg = getattr(model, "config", None)
-    n_params = _count_parameters([model.embedding, model.norm_f, model.lm_head, model.layers])  # type: ignore[attr-defined]
+    n_params = _count_parameters([getattr(model, name) for name in WEIGHTS if hasattr(model, name)])
     n_attn = sum(1 for il in range(model.n_layer) if not model.is_recurrent_layer(il))
     state = 4 * (model.n_embd_r + model.n_embd_s) * (model.n_layer - n_attn)
     print(
@@ -77,6 +88,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "dt_rank",
         "n_head",
         "n_group",
+        "head_size",
         "d_ff",
         "n_ctx_train",
     ):
@@ -85,6 +97,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"parameters:      {n_params / 1e6:.2f} M")
     _print_tensor_types(path)
     print(f"state per layer: r {model.n_embd_r} + s {model.n_embd_s} floats")
+    if rwkv and cfg is not None:  # llama.cpp's layout: the two token-shift rows, then the heads' WKV states
+        h, n = cfg.n_head, cfg.head_size
+        s_layout = "[H, K, V]" if model.arch == "rwkv6" else "[H, V, K]"
+        print(f"{'':<16} r: token shift 2 x {cfg.d_model}; s: WKV {s_layout} = {h} x {n} x {n}")
     print(f"state per seq:   {state} bytes ({state / 1024:.1f} KiB, f32)")
     if hybrid:
         _print_kv(model)
@@ -96,6 +112,11 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"eos {tokenizer.eos_token_id}"
         )
     return 0
+
+
+RWKV_ARCHS = ("rwkv6", "rwkv7")
+# the attributes holding a model's weights (those it has): embedding, RWKV's embedding norm, layers, head
+WEIGHTS = ("embedding", "emb_norm", "emb_norm_b", "norm_f", "norm_f_b", "lm_head", "layers")
 
 
 def _count_parameters(objects: Sequence[object]) -> int:
@@ -148,15 +169,29 @@ def _print_tensor_types(path: Path) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from rsmem.loaders import convert_hf_to_gguf
+    from rsmem.loaders import convert_blink_to_gguf, convert_hf_to_gguf
+    from rsmem.loaders.rwkv_convert import is_blink_checkpoint
 
     src = Path(args.hf_dir)
-    if not (src / "config.json").is_file():
-        raise RsmemError(f"{src} is not a Hugging Face model folder (no config.json)")
+    vocab = getattr(args, "vocab", None)
+    blink = is_blink_checkpoint(src)
+    if not blink and not (src / "config.json").is_file():
+        raise RsmemError(
+            f"{src} is not a Hugging Face model folder (no config.json) nor an RWKV .pth checkpoint"
+        )
+    if vocab is not None and not blink:
+        raise RsmemError(f"--vocab {vocab}: only for RWKV .pth checkpoints (a folder carries its tokenizer)")
+    if vocab is not None and not Path(vocab).is_file():
+        raise RsmemError(f"--vocab {vocab}: no such file")
     check_output_path("the output", args.out)
     t0 = time.perf_counter()
     sys.stderr.write(f"converting {src} -> {args.out} ({args.outtype})...\n")
-    convert_hf_to_gguf(src, args.out, outtype=args.outtype)
+    if blink:
+        if vocab is None:
+            sys.stderr.write("no --vocab: the GGUF will have no tokenizer\n")
+        convert_blink_to_gguf(src, args.out, outtype=args.outtype, vocab=vocab)
+    else:
+        convert_hf_to_gguf(src, args.out, outtype=args.outtype)
     size = Path(args.out).stat().st_size
     sys.stderr.write(f"wrote {args.out}: {size / 1e6:.1f} MB in {time.perf_counter() - t0:.1f}s\n")
     return 0
