@@ -222,6 +222,14 @@ async def stream(client: httpx.AsyncClient, url: str, path: str, body: dict) -> 
     )
 
 
+def client_for(n: int) -> httpx.AsyncClient:
+    """A client of ``n`` connections and no keep-alive: llama-server closes idle connections after 5 s
+    and a pooled one reused at that moment fails with RemoteProtocolError (seen under load)."""
+    return httpx.AsyncClient(
+        timeout=600, limits=httpx.Limits(max_connections=n + 8, max_keepalive_connections=0)
+    )
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -287,7 +295,7 @@ async def workload_a(url: str, texts: Texts, args: argparse.Namespace) -> dict[s
             messages.append({"role": "assistant", "content": r.text})
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with client_for(4) as client:
         await asyncio.gather(*(conversation(client, k) for k in range(args.conversations)))
     return latency_figures(results, later, time.perf_counter() - t0)
 
@@ -297,9 +305,8 @@ async def workload_b(url: str, texts: Texts, args: argparse.Namespace) -> dict[s
     lengths = [round(8 * (args.max_len / 8) ** (i / max(n - 1, 1))) for i in range(n)]
     random.Random(7).shuffle(lengths)
     prompts = [texts.of(length, 97 * i) for i, length in enumerate(lengths)]
-    limits = httpx.Limits(max_connections=n + 8)
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with client_for(n) as client:
         body = {"max_tokens": 32}
         jobs = (stream(client, url, "/v1/completions", body | {"prompt": p}) for p in prompts)
         results = list(await asyncio.gather(*jobs))
@@ -310,7 +317,7 @@ async def workload_c(url: str, texts: Texts, args: argparse.Namespace) -> dict[s
     idle: list[float] = []
     busy: list[float] = []
     long_ttft: list[float] = []
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with client_for(4) as client:
 
         def shorts(rep: int) -> list:
             bodies = [{"prompt": texts.of(3, 1000 + 31 * (rep * 3 + j)), "max_tokens": 8} for j in range(3)]
@@ -336,7 +343,7 @@ WORKLOADS = {"a": workload_a, "b": workload_b, "c": workload_c}
 
 
 async def warm_up(url: str) -> None:
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with client_for(4) as client:
         await stream(client, url, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 4})
 
 
