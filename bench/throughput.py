@@ -21,6 +21,7 @@ transformers' Mamba-2 has no fast CPU path (its decode at 64 sequences takes min
 programs (started before the row, stopped after it), and adds a table of the busy figures and of the share
 of its own quiet throughput each program keeps (median of per-round busy/quiet ratios). rsmem runs with
 the wait policy ``import rsmem`` sets (``rsmem.threads``; imported before torch here for that reason).
+``--gguf FILE`` (repeatable) measures existing files too, e.g. the embedded model; ``--skip-130m`` only them.
 """
 
 from __future__ import annotations
@@ -58,13 +59,14 @@ cp.n_threads = cp.n_threads_batch = threads
 ctx = L.llama_init_from_model(model, cp)
 mem = L.llama_get_memory(ctx)
 batch = L.llama_batch_init(max(n_prompt, 64), 0, 1)
+n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
 def decode(entries):
     batch.n_tokens = len(entries)
     for i, (t, p, s, out) in enumerate(entries):
         batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, p, 1, out
         batch.seq_id[i][0] = s
     assert L.llama_decode(ctx, batch) == 0
-prompt = [(7 * i) % 50000 + 1 for i in range(n_prompt)]
+prompt = [(7 * i) % min(50000, n_vocab - 1) + 1 for i in range(n_prompt)]
 def prefill():
     L.llama_memory_clear(mem, True)
     t0 = time.perf_counter(); decode([(t, i, 0, i == n_prompt - 1) for i, t in enumerate(prompt)])
@@ -154,7 +156,7 @@ class RsmemRunner:
     def __init__(self, path: Path, n_prompt: int, steps: int, compile_setting: str, threads: int) -> None:
         self.model = rsmem.load_model(path, compile=compile_setting, n_threads=threads)
         self.n_prompt, self.steps = n_prompt, steps
-        self.prompt = [(7 * i) % 50000 + 1 for i in range(n_prompt)]
+        self.prompt = [(7 * i) % min(50000, self.model.n_vocab - 1) + 1 for i in range(n_prompt)]
 
     def measure(self, row: str) -> float:
         """Tokens/s of one row of the table (a warm-up run or step first, untimed)."""
@@ -269,41 +271,47 @@ def bench_arch(arch: str, args: argparse.Namespace) -> ArchResult:
         if not skip_hf:
             result.cols["transformers"] = bench_transformers(hf_model, args.prompt, max(4, args.steps // 2))
         del hf_model
-        runners: dict[str, RsmemRunner | LlamaWorker] = {
-            "rsmem": RsmemRunner(gguf_path, args.prompt, args.steps, args.compile, args.threads)
-        }
-        if args.llama_python:
-            try:
-                runners["llama.cpp"] = LlamaWorker(
-                    args.llama_python, gguf_path, args.prompt, args.steps, args.threads
-                )
-            except (OSError, RuntimeError) as exc:
-                print(f"llama.cpp worker failed: {exc}")
-        modes = {"quiet": result} | ({"busy": ArchResult()} if args.contention else {})
-        result.busy = modes.get("busy")
-        samples = {m: {name: {row: [] for row in ROWS} for name in runners} for m in modes}
-        for _ in range(args.rounds):
-            for row in args.rows:
-                got: dict[str, dict[str, float]] = {}
-                for mode, res in modes.items():
-                    with busy_neighbour(mode == "busy"):
-                        got[mode] = {name: runner.measure(row) for name, runner in runners.items()}
-                    for name, value in got[mode].items():
-                        samples[mode][name][row].append(value)
-                    if "llama.cpp" in got[mode]:
-                        res.ratios.setdefault(row, []).append(got[mode]["rsmem"] / got[mode]["llama.cpp"])
-                if "busy" in got:
-                    for name in runners:
-                        share = got["busy"][name] / got["quiet"][name]
-                        result.kept.setdefault(name, {}).setdefault(row, []).append(share)
-        for runner in runners.values():
-            runner.close()
-        for mode, res in modes.items():
-            for name, rows in samples[mode].items():
-                res.cols[name] = {row: statistics.median(v) for row, v in rows.items() if v}
-        model = runners["rsmem"].model  # type: ignore[union-attr]
-        result.compiled = model.compile_decode
-        result.flops_per_token = matmul_flops_per_token(model)
+        return measure_file(gguf_path, args, result)
+
+
+def measure_file(gguf_path: Path, args: argparse.Namespace, result: ArchResult) -> ArchResult:
+    """Measure every row ``args.rounds`` times on one GGUF file, rsmem and llama.cpp back to back (and,
+    with ``--contention``, each again beside a busy process)."""
+    runners: dict[str, RsmemRunner | LlamaWorker] = {
+        "rsmem": RsmemRunner(gguf_path, args.prompt, args.steps, args.compile, args.threads)
+    }
+    if args.llama_python:
+        try:
+            runners["llama.cpp"] = LlamaWorker(
+                args.llama_python, gguf_path, args.prompt, args.steps, args.threads
+            )
+        except (OSError, RuntimeError) as exc:
+            print(f"llama.cpp worker failed: {exc}")
+    modes = {"quiet": result} | ({"busy": ArchResult()} if args.contention else {})
+    result.busy = modes.get("busy")
+    samples = {m: {name: {row: [] for row in ROWS} for name in runners} for m in modes}
+    for _ in range(args.rounds):
+        for row in args.rows:
+            got: dict[str, dict[str, float]] = {}
+            for mode, res in modes.items():
+                with busy_neighbour(mode == "busy"):
+                    got[mode] = {name: runner.measure(row) for name, runner in runners.items()}
+                for name, value in got[mode].items():
+                    samples[mode][name][row].append(value)
+                if "llama.cpp" in got[mode]:
+                    res.ratios.setdefault(row, []).append(got[mode]["rsmem"] / got[mode]["llama.cpp"])
+            if "busy" in got:
+                for name in runners:
+                    share = got["busy"][name] / got["quiet"][name]
+                    result.kept.setdefault(name, {}).setdefault(row, []).append(share)
+    for runner in runners.values():
+        runner.close()
+    for mode, res in modes.items():
+        for name, rows in samples[mode].items():
+            res.cols[name] = {row: statistics.median(v) for row, v in rows.items() if v}
+    model = runners["rsmem"].model  # type: ignore[union-attr]
+    result.compiled = model.compile_decode
+    result.flops_per_token = matmul_flops_per_token(model)
     return result
 
 
@@ -342,7 +350,8 @@ def print_contention(arch: str, res: ArchResult, args: argparse.Namespace) -> No
 
 def print_arch(arch: str, res: ArchResult, args: argparse.Namespace, ceilings: dict[int, float]) -> None:
     compiled = "rsmem decode compiled" if res.compiled else "rsmem decode eager"
-    print(f"\n{arch} 130M, f32, {args.threads} threads, {compiled}, median of {args.rounds} rounds: tokens/s")
+    title = arch if arch.endswith(".gguf") else f"{arch} 130M, f32"
+    print(f"\n{title}, {args.threads} threads, {compiled}, median of {args.rounds} rounds: tokens/s")
     names = [n for n in ("rsmem", "transformers", "llama.cpp") if n in res.cols]
     header = "".join(f"{c:>14}" for c in names)
     print(f"{'':12}{header}{'rsmem/llama':>13}{'(range)':>12}{'of ceiling':>12}")
@@ -350,7 +359,8 @@ def print_arch(arch: str, res: ArchResult, args: argparse.Namespace, ceilings: d
         line = f"{row:12}" + "".join(f"{res.cols[c].get(row, float('nan')):14.1f}" for c in names)
         rows = args.prompt if row == "prefill" else int(row[6:])
         gflops = res.cols["rsmem"][row] * res.flops_per_token / 1e9
-        line += f"{res.ratio(row):13.2f}{res.spread(row):>12}{gflops / ceilings[rows]:12.0%}"
+        ceiling = f"{gflops / ceilings[rows]:12.0%}" if rows in ceilings else ""
+        line += f"{res.ratio(row):13.2f}{res.spread(row):>12}{ceiling}"
         print(line, flush=True)
     if res.busy is not None:
         print_contention(arch, res, args)
@@ -386,19 +396,29 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-transformers-mamba2", action="store_true", help="skip transformers' (slow) Mamba-2")
     ap.add_argument("--contention", action="store_true", help="each row also beside one CPU-bound process")
+    ap.add_argument(
+        "--gguf",
+        action="append",
+        default=[],
+        help="also measure this GGUF file (repeatable; e.g. the embedded model: "
+        "python -c 'import rsmem.engine as e; print(e.default_model_path())')",
+    )
+    ap.add_argument("--skip-130m", action="store_true", help="only the --gguf files")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     ceilings = {n: matmul_ceiling(n) for n in (*DECODE_SEQS, args.prompt)}
     print("torch f32 matmul ceiling (GFLOP/s):", {k: round(v, 1) for k, v in ceilings.items()})
     print(f"rsmem's OpenMP wait policy: {rsmem.threads.wait_policy()}")
-    archs = ["mamba", "mamba2"] if args.arch == "both" else [args.arch]
+    archs = [] if args.skip_130m else ["mamba", "mamba2"] if args.arch == "both" else [args.arch]
     results = {}
     for arch in archs:
         results[arch] = bench_arch(arch, args)
         print_arch(arch, results[arch], args, ceilings)
     if len(results) > 1:
         print_side_by_side(results, args)
+    for path in map(Path, args.gguf):  # the ceiling column is for d_model 768 products: left out here
+        print_arch(path.name, measure_file(path, args, ArchResult()), args, {})
     print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 
