@@ -147,3 +147,12 @@ def test_generate_threads_flag_and_default(monkeypatch: pytest.MonkeyPatch) -> N
     assert torch.get_num_threads() == 1
     assert main(args) == 0
     assert torch.get_num_threads() == threads.auto_threads(model)
+
+
+def test_info_shows_threads_and_wait_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    from rsmem.cli import main
+
+    assert main(["info"]) == 0
+    model = rsmem.load_model(default_model_path(), n_threads=torch.get_num_threads())
+    want = f"threads:         {threads.choose_threads(model)} (RSMEM_THREADS / -t, else by the model), "
+    assert want + f"OpenMP wait policy: {threads.wait_policy()}" in capsys.readouterr().out

@@ -57,6 +57,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from rsmem import threads
     from rsmem.engine import load_text_model
     from rsmem.models.base import MambaFamilyModel
 
@@ -106,6 +107,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         _print_kv(model)
     how = "torch.compile" if getattr(model, "compile_decode", False) else "eager"
     print(f"decode steps:    {how} (RSMEM_COMPILE / --compile of generate, chat, serve)")
+    print(
+        f"threads:         {threads.choose_threads(model)} (RSMEM_THREADS / -t, else by the model), "
+        f"OpenMP wait policy: {threads.wait_policy()}"
+    )
     if tokenizer is not None:
         print(
             f"tokenizer:       {tokenizer.tokenizer.get_vocab_size()} tokens, bos {tokenizer.bos_token_id}, "
