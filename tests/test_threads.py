@@ -120,6 +120,21 @@ def test_load_model_applies_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("keep_threads")
+def test_llm_applies_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rsmem.engine import LLM
+
+    monkeypatch.setenv("RSMEM_THREADS", "1")
+    torch.set_num_threads(threads.all_cores())
+    llm = LLM(n_seq_max=1)  # the embedded model, loaded from its file
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(threads.all_cores())
+    LLM(llm.model, tokenizer=llm.tokenizer, n_seq_max=1)  # a model object
+    assert torch.get_num_threads() == 1
+    LLM(llm.model, tokenizer=llm.tokenizer, n_seq_max=1, n_threads=2)
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.usefixtures("keep_threads")
 def test_bench_threads_flag(capsys: pytest.CaptureFixture[str]) -> None:
     from rsmem.cli import main
 

@@ -18,6 +18,7 @@ from rsmem.engine.sampling import SamplingParams
 from rsmem.engine.tokenizer import TextTokenizer
 from rsmem.models.compiled import CompileSetting
 from rsmem.models.protocol import RecurrentModel
+from rsmem.threads import use_threads
 
 Prompt = str | Sequence[int]
 SLOT_CONTEXT = 4096  # KV positions per sequence by default (a hybrid model's attention layers)
@@ -39,10 +40,9 @@ def load_text_model(
     :func:`rsmem.load_model`."""
     from rsmem.loaders import build_model, build_tokenizer, read_checkpoint
 
-    if n_threads is not None:
-        torch.set_num_threads(n_threads)
     ckpt = read_checkpoint(path)
     model = build_model(ckpt, dtype, compile)
+    use_threads(model, n_threads)  # the thread policy (rsmem.threads): n_threads, RSMEM_THREADS or auto
     tokenizer = None
     if ckpt.tokenizer is not None:
         data = ckpt.tokenizer
@@ -95,8 +95,8 @@ class LLM:
                 compile=compile,
             )
             tokenizer = tokenizer or loaded_tokenizer
-        elif n_threads is not None:
-            torch.set_num_threads(n_threads)
+        else:
+            use_threads(model, n_threads)
         self.model = model
         self.tokenizer = tokenizer
         self.context = Context(
