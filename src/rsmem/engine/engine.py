@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 
 from rsmem.context import Context
 from rsmem.engine.checkpoints import DEFAULT_DISK_BYTES, CheckpointCache
@@ -41,6 +41,7 @@ from rsmem.engine.request import (
     RequestOutput,
     Session,
 )
+from rsmem.engine.reuse import PromptReuse
 from rsmem.engine.sampling import Sampler, SamplingParams
 from rsmem.engine.scheduler import Planned, StepCost, build_batch, plan_replay, plan_step
 from rsmem.engine.snapshot import active_cells, take_snapshot
@@ -48,7 +49,6 @@ from rsmem.engine.status import EngineSnapshot, EngineStats, Health
 from rsmem.engine.tokenizer import TextTokenizer
 from rsmem.engine.validation import RequestBuilder, RequestLimits
 from rsmem.errors import InvalidRequestError
-from rsmem.memory.checkpoint import Checkpoint
 from rsmem.memory.recurrent import RecurrentMemory
 
 Prompt = str | Sequence[int]
@@ -124,7 +124,9 @@ class Engine:
         self.kept = KeptSequences(context, self.pool, self.checkpoints)
         self.builder = RequestBuilder(self.limits, tokenizer)
         # checkpoints inside a prefill are captured from the chunk (a recurrent memory) or cut there
-        self.captures = self.checkpoints is not None and isinstance(memory, RecurrentMemory)
+        self.reuse = PromptReuse(
+            self.pool, self.checkpoints, self.stats, captures=isinstance(memory, RecurrentMemory)
+        )
         self.lifecycle = Lifecycle(memory, self.pool, self.checkpoints, self.stats, self.running)
         self.output = OutputProcessor(Sampler(), tokenizer, self.stats, self.lifecycle)
 
@@ -249,15 +251,15 @@ class Engine:
         """
         self._admit()
         cap = self.step_cost.prefill_cap() if self.prefill_cap is None else self.prefill_cap
-        plan = plan_step(self.running, self.max_batch_tokens, cap, cut_at_checkpoints=not self.captures)
+        plan = plan_step(self.running, self.max_batch_tokens, cap, cut_at_checkpoints=not self.reuse.captures)
         touched: dict[str, Request] = {}
         if plan:
             batch = build_batch(plan)
-            capture = self._capture_points(plan) if self.captures else None
+            capture = self.reuse.capture_points(plan)
             codec = self.checkpoints.codec if self.checkpoints is not None else "exact"
             t0 = time.perf_counter()
             try:  # on failure decode has cleared the batch's sequences
-                self.ctx.decode(batch, capture=capture or None, capture_codec=codec)
+                self.ctx.decode(batch, capture=capture, capture_codec=codec)
             except BaseException as exc:
                 self._fail_batch(plan, exc)
                 if not isinstance(exc, Exception):
@@ -301,7 +303,7 @@ class Engine:
                 continue
             self.waiting.remove(req)
             if req.session is None:
-                self._start_from_cache(req, first)
+                self.reuse.start(req, first)
             req.completions[0].seq_id = first
             for c in req.completions[1:]:
                 c.seq_id = pool.best_free([], avoid=wanted)
@@ -309,36 +311,10 @@ class Engine:
             req.phase = Phase.PREFILL
             self.running.append(req)
 
-    def _start_from_cache(self, req: Request, seq: int) -> None:
-        """Continue ``req``'s prompt from the most it can reuse: ``seq``'s own kept state (extended or
-        rolled back) or a checkpoint of the prefix cache restored into ``seq``; plan its checkpoints."""
-        n, rolled_back = self.pool.take(seq, req.prompt_tokens)
-        kind = ("rollback" if rolled_back else "extension") if n else "miss"
-        if self.checkpoints is not None:
-            restored = self.checkpoints.restore_best(req.prompt_tokens, seq, n)
-            if restored:
-                n, kind = restored, "checkpoint"
-            req.checkpoint_at = self.checkpoints.positions(req.prompt_tokens, n, req.boundaries)
-        req.n_cached = req.n_prefilled = n
-        self.stats.cached_prompt_tokens += n
-        self.stats.count_cache_use(kind)
-
-    def _capture_points(self, plan: list[Planned]) -> dict[int, list[int]]:
-        """The checkpoints due inside the plan's prompt chunks, by sequence (token counts)."""
-        points: dict[int, list[int]] = {}
-        for part in plan:
-            req = part.req
-            if part.completion is None and req.checkpoint_at:
-                start, end = req.n_prefilled, req.n_prefilled + part.n_tokens
-                due = [p for p in req.checkpoint_at if start < p <= end]
-                if due:
-                    points[req.prefill_seq] = due
-        return points
-
     def _commit(self, plan: list[Planned]) -> None:
         """The decode succeeded: prompts and replays advance, finished prompts fork into their other
         completions, and a suspect that produced output is trusted again."""
-        captured = self.ctx.captured() if self.captures else {}
+        captured = self.ctx.captured() if self.reuse.captures else {}
         for part in plan:
             req, c = part.req, part.completion
             if part.output:
@@ -350,28 +326,11 @@ class Engine:
             start = req.n_prefilled
             req.n_prefilled += part.n_tokens
             self.stats.prompt_tokens += part.n_tokens
-            if self.checkpoints is not None:
-                self._keep_checkpoints(req, start, captured)
+            self.reuse.keep(req, start, captured)
             if part.output:  # the prompt is in
                 for other in req.completions[1:]:
                     self.ctx.memory.seq_cp(req.prefill_seq, other.seq_id)
                 req.phase = Phase.DECODE
-
-    def _keep_checkpoints(
-        self, req: Request, start: int, captured: Mapping[tuple[int, int], Checkpoint]
-    ) -> None:
-        """Keep the checkpoints due in the chunk that just ran (captured inside it, or, for a context
-        that cannot capture, taken where the chunk was cut)."""
-        assert self.checkpoints is not None
-        for p in req.checkpoint_at:
-            if not start < p <= req.n_prefilled:
-                continue
-            if self.captures:
-                ckpt = captured.get((req.prefill_seq, p))
-                if ckpt is not None:
-                    self.checkpoints.put(req.prompt_tokens[:p], ckpt, "prompt")
-            elif p == req.n_prefilled:
-                self.checkpoints.take(req.prompt_tokens[:p], req.prefill_seq, "prompt")
 
     # ------------------------------------------------------------ failures
 
