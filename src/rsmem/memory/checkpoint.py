@@ -93,9 +93,8 @@ class Checkpoint:
 
     def is_finite(self) -> bool:
         """No NaN or inf in any row (int8 rows are finite when their scales are)."""
-        return all(
-            bool(torch.isfinite(e.data if e.scales is None else e.scales).all()) for e in self._encoded()
-        )
+        checks = [torch.isfinite(e.data if e.scales is None else e.scales).all() for e in self._encoded()]
+        return bool(torch.stack(checks).all()) if checks else True  # one read back, not one a row
 
 
 def check_codec(codec: str) -> None:
