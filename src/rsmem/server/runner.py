@@ -140,16 +140,7 @@ class EngineRunner:
             self._fail_in_flight(exc)
             time.sleep(0.01)  # never spin if the engine keeps raising
             return
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Report], Report]]] = {}
-        for out in outputs:  # one hand-off to each listening loop a step, not one a report
-            listener = self._listener(out.request_id, final=out.finished)
-            if listener is not None:
-                batches.setdefault(listener[0], []).append((listener[1], out))
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the listeners' loop is gone: nobody will read these requests
-                self._forget(out for _, out in items)
+        self._deliver((out.request_id, out, out.finished) for out in outputs)
 
     def _run_commands(self) -> None:
         while True:
@@ -159,27 +150,21 @@ class EngineRunner:
                 return
             command.run()
 
-    def _listener(
-        self, request_id: str, *, final: bool
-    ) -> tuple[asyncio.AbstractEventLoop, asyncio.Queue[Report]] | None:
-        return self._listeners.pop(request_id, None) if final else self._listeners.get(request_id)
-
-    def _forget(self, outs: Iterable[Report]) -> None:
-        for out in outs:
-            if isinstance(out, RequestOutput):
-                self._listeners.pop(out.request_id, None)
-                self.engine.abort(out.request_id)
-
-    def _deliver(self, request_id: str, report: Report, *, final: bool) -> None:
-        listener = self._listener(request_id, final=final)
-        if listener is None:
-            return
-        loop, reports = listener
-        try:
-            loop.call_soon_threadsafe(reports.put_nowait, report)
-        except RuntimeError:  # the listener's loop is gone: nobody will read this request
-            self._listeners.pop(request_id, None)
-            self.engine.abort(request_id)
+    def _deliver(self, reports: Iterable[tuple[str, Report, bool]]) -> None:
+        """Hand ``(request id, report, final)`` to their listeners: one hand-off to each listening loop,
+        not one a report. Requests whose loop is gone are aborted (nobody will read them)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue[Report], Report]]] = {}
+        for rid, report, final in reports:
+            listener = self._listeners.pop(rid, None) if final else self._listeners.get(rid)
+            if listener is not None:
+                batches.setdefault(listener[0], []).append((rid, listener[1], report))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, [(queue_, report) for _, queue_, report in items])
+            except RuntimeError:
+                for rid, _, _ in items:
+                    self._listeners.pop(rid, None)
+                    self.engine.abort(rid)
 
     def _fail_in_flight(self, exc: Exception) -> None:
         message = f"the engine failed: {type(exc).__name__}: {exc}"
@@ -188,7 +173,7 @@ class EngineRunner:
         for rid in ids:
             with contextlib.suppress(Exception):  # already broken for this request: tell its client
                 self.engine.abort(rid)
-            self._deliver(rid, StepFailure(message), final=True)
+        self._deliver((rid, StepFailure(message), True) for rid in ids)
 
     def _abort_all(self) -> int:
         ids = list(self._listeners)
