@@ -12,6 +12,7 @@ import gguf
 
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.checkpoint import Checkpoint, tensor_name
+from rsmem.loaders.checkpoint import metadata_int as _int
 from rsmem.models.lfm2 import Attention, Lfm2Config, Lfm2Layer, Lfm2Model, Lfm2Weights
 from rsmem.models.nemotron_h import (
     ATTENTION,
@@ -39,12 +40,6 @@ def _per_layer(value: object, n_layer: int, what: str) -> tuple[int, ...]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return (int(value),) * n_layer
     raise ModelFormatError(f"{what} is {value!r}, not a number or an array")
-
-
-def _int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ModelFormatError(f"{what} is {value!r}, not a number")
-    return int(value)
 
 
 def config_from_gguf(

@@ -16,7 +16,9 @@ import gguf
 import torch
 
 from rsmem.errors import ModelFormatError
-from rsmem.loaders.rwkv6 import build_rwkv6, rwkv6_config
+from rsmem.loaders.checkpoint import metadata_int as _int
+from rsmem.loaders.checkpoint import tensor_name as name
+from rsmem.loaders.rwkv6 import build_rwkv6, outer_tensors, rwkv6_config
 from rsmem.models.compiled import CompileSetting
 from rsmem.models.rwkv6 import Rwkv6Config, Rwkv6Model
 from rsmem.models.rwkv7 import Rwkv7Config, Rwkv7Layer, Rwkv7Model, Rwkv7Weights
@@ -29,17 +31,6 @@ T = gguf.MODEL_TENSOR
 LERPS_7 = ("r", "w", "k", "v", "a", "g")  # order of time_mix_lerp_fused
 
 Key = Callable[[str], object]
-
-
-def name(kind: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".weight") -> str:
-    base = gguf.TENSOR_NAMES[kind]
-    return (base.format(bid=bid) if bid is not None else base) + suffix
-
-
-def _int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ModelFormatError(f"{what} is {value!r}, not a number")
-    return int(value)
 
 
 def config_from_gguf(
@@ -133,17 +124,7 @@ def _rwkv7(ckpt: Checkpoint, dtype: torch.dtype, compile: CompileSetting) -> Rwk
             layer.v0 = get(T.TIME_MIX_V0, (d,))
             layer.v1, layer.v2 = lora(T.TIME_MIX_V1, T.TIME_MIX_V2, cfg.n_lora_value_res_mix)
         layers.append(layer)
-    emb = ckpt.get(name(T.TOKEN_EMBD), (cfg.n_vocab, d))
-    head = name(T.OUTPUT)
-    weights = Rwkv7Weights(
-        embedding=emb,
-        emb_norm=ckpt.get(name(T.TOKEN_EMBD_NORM), (d,)),
-        emb_norm_b=ckpt.get(name(T.TOKEN_EMBD_NORM, None, ".bias"), (d,)),
-        layers=layers,
-        norm_f=ckpt.get(name(T.OUTPUT_NORM), (d,)),
-        norm_f_b=ckpt.get(name(T.OUTPUT_NORM, None, ".bias"), (d,)),
-        lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
-    )
+    weights = Rwkv7Weights(layers=layers, **outer_tensors(ckpt, cfg.n_vocab, d))
     return Rwkv7Model(cfg, weights, dtype=dtype, compile=compile)
 
 

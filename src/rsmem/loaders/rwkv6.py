@@ -12,6 +12,8 @@ import gguf
 import torch
 
 from rsmem.errors import ModelFormatError
+from rsmem.loaders.checkpoint import metadata_int as _int
+from rsmem.loaders.checkpoint import tensor_name as name
 from rsmem.models.compiled import CompileSetting
 from rsmem.models.rwkv6 import Rwkv6Config, Rwkv6Layer, Rwkv6Model, Rwkv6Weights
 
@@ -22,15 +24,19 @@ T = gguf.MODEL_TENSOR
 LERPS_6 = ("w", "k", "v", "r", "g")  # order of time_mix_lerp_fused
 
 
-def name(kind: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".weight") -> str:
-    base = gguf.TENSOR_NAMES[kind]
-    return (base.format(bid=bid) if bid is not None else base) + suffix
-
-
-def _int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ModelFormatError(f"{what} is {value!r}, not a number")
-    return int(value)
+def outer_tensors(ckpt: Checkpoint, n_vocab: int, d: int) -> dict[str, torch.Tensor]:
+    """The tensors around the blocks, as both RWKV weights classes name them: the embedding and its
+    layer norm, the output norm, and the head (the embedding when the file ties them)."""
+    emb = ckpt.get(name(T.TOKEN_EMBD), (n_vocab, d))
+    head = name(T.OUTPUT)
+    return {
+        "embedding": emb,
+        "emb_norm": ckpt.get(name(T.TOKEN_EMBD_NORM), (d,)),
+        "emb_norm_b": ckpt.get(name(T.TOKEN_EMBD_NORM, None, ".bias"), (d,)),
+        "norm_f": ckpt.get(name(T.OUTPUT_NORM), (d,)),
+        "norm_f_b": ckpt.get(name(T.OUTPUT_NORM, None, ".bias"), (d,)),
+        "lm_head": ckpt.get(head, (n_vocab, d)) if head in ckpt.tensors else emb,
+    }
 
 
 def rwkv6_config(
@@ -102,17 +108,7 @@ def build_rwkv6(
                 ffn_receptance=get(T.CHANNEL_MIX_RECEPTANCE, (d, d)),
             )
         )
-    emb = ckpt.get(name(T.TOKEN_EMBD), (cfg.n_vocab, d))
-    head = name(T.OUTPUT)
-    weights = Rwkv6Weights(
-        embedding=emb,
-        emb_norm=ckpt.get(name(T.TOKEN_EMBD_NORM), (d,)),
-        emb_norm_b=ckpt.get(name(T.TOKEN_EMBD_NORM, None, ".bias"), (d,)),
-        layers=layers,
-        norm_f=ckpt.get(name(T.OUTPUT_NORM), (d,)),
-        norm_f_b=ckpt.get(name(T.OUTPUT_NORM, None, ".bias"), (d,)),
-        lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
-    )
+    weights = Rwkv6Weights(layers=layers, **outer_tensors(ckpt, cfg.n_vocab, d))
     return Rwkv6Model(cfg, weights, dtype=dtype, compile=compile)
 
 
