@@ -17,7 +17,7 @@ from rsmem.loaders import read_checkpoint
 transformers = pytest.importorskip("transformers")
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 77, 123, 64, 31, 200, 11, 12]
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "llamacpp"
+FIXTURE_ROOT = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"  # copies of ../shared's
 
 
 def _config(arch: str):
@@ -96,12 +96,9 @@ def test_four_sequences_and_a_fork(pair, unified: bool) -> None:
     _close(ctx.logits[2:], _ref(hf, [*PROMPT[:5], 70])[-1:])
 
 
-@pytest.mark.skipif(
-    not SHARED.exists(), reason="../shared fixtures absent (the GGUF parity tests cover them)"
-)
 @pytest.mark.parametrize("arch", ["lfm2", "nemotron_h"])
 def test_hf_folder_gives_llamacpps_tensors(arch: str) -> None:
-    hf = read_checkpoint(SHARED / arch / "hf")
+    hf = read_checkpoint(FIXTURE_ROOT / arch / "hf")
     gguf = read_checkpoint(
         Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / arch / "model-f32.gguf"
     )

@@ -19,7 +19,6 @@ from rsmem.loaders.tensor_types import HOLDING, Holding, file_summary
 
 Q = gguf.GGMLQuantizationType
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "quant"
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "llamacpp" / "quant"
 KINDS = ["q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"]
 IN_REPO = [("mamba2", k) for k in KINDS] + [("mamba", "q4_k_m")]
 DEQUANT_REL_TOL = 1e-6  # max |rsmem - llama.cpp on the dequantized f32 weights| / max |f32 logit|
@@ -58,16 +57,12 @@ def _check_fixture(root: Path, arch: str, kind: str, llama_quantized: bool) -> N
         assert got < LLAMA_REL_TOL[kind]
 
 
-@pytest.mark.parametrize(("arch", "kind"), IN_REPO)
-def test_llamacpp_quantized_files_match_dequant_logits(arch: str, kind: str) -> None:
-    _check_fixture(FIXTURES, arch, kind, llama_quantized=False)
-
-
-@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared fixtures absent (the in-repo subset runs above)")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
-def test_shared_quantized_fixtures(arch: str, kind: str) -> None:
-    _check_fixture(SHARED, arch, kind, llama_quantized=True)
+def test_llamacpp_quantized_files_match_llamacpp(arch: str, kind: str) -> None:
+    """Every fixture file (copied from ../shared, so a clone without it runs the same test): the
+    dequantized logits, the quantization error, and llama.cpp's own logits on the quantized file."""
+    _check_fixture(FIXTURES, arch, kind, llama_quantized=True)
 
 
 @pytest.mark.parametrize(("arch", "kind"), IN_REPO)
