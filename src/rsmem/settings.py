@@ -14,6 +14,10 @@ variable                  default  effect
 ``RSMEM_OMP_PASSIVE``     1        ``0``: leave OpenMP's wait policy alone; otherwise ``import rsmem``
                                    sets ``OMP_WAIT_POLICY=PASSIVE`` when neither it nor
                                    ``GOMP_SPINCOUNT`` is set (before torch loads: see ``rsmem.threads``)
+``RSMEM_KERNELS``         1        ``0``: no C++ kernels for quantized matrices (``rsmem.kernels`` uses
+                                   its torch reference instead)
+``RSMEM_KERNELS_DIR``              where the C++ kernels are built and cached (default
+                                   ``$XDG_CACHE_HOME/rsmem/kernels``, else ``~/.cache/rsmem/kernels``)
 ========================= ======== ==================================================================
 
 Besides reading, :func:`prepare_openmp_environment` writes one variable: ``OMP_WAIT_POLICY``, which
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Literal
 
 WaitPolicy = Literal["passive", "user", "off", "too late"]
@@ -40,6 +45,17 @@ def onednn_enabled() -> bool:
 
 def hugepages_enabled() -> bool:
     return os.environ.get("RSMEM_HUGEPAGES") != "0"
+
+
+def kernels_setting() -> tuple[bool, Path]:
+    """Whether rsmem's C++ kernels for quantized matrices are enabled (``RSMEM_KERNELS`` not ``0``) and the
+    folder they are built and cached in (``RSMEM_KERNELS_DIR``, else the user's cache folder)."""
+    enabled = os.environ.get("RSMEM_KERNELS", "1").strip() != "0"
+    folder = os.environ.get("RSMEM_KERNELS_DIR", "").strip()
+    if folder:
+        return enabled, Path(folder)
+    cache = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return enabled, Path(cache) / "rsmem" / "kernels"
 
 
 def cxx_candidates() -> list[str]:
