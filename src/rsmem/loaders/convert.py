@@ -1,5 +1,6 @@
-"""Write an HF Mamba / Mamba-2 folder as GGUF the way llama.cpp's ``convert_hf_to_gguf.py`` does:
-the same keys, tensor names, transforms, vocabulary padding and per-tensor types."""
+"""Write an HF Mamba / Mamba-2 folder (or a hybrid's: :mod:`rsmem.loaders.hybrid_convert`) as GGUF the way
+llama.cpp's ``convert_hf_to_gguf.py`` does: the same keys, tensor names, transforms, vocabulary padding and
+per-tensor types."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from rsmem.loaders.checkpoint import Checkpoint, T, tensor_name
 from rsmem.loaders.hf import read_hf
+from rsmem.loaders.hybrid_convert import hybrid_gguf_tensors, write_hybrid_hparams
 from rsmem.models.mamba import MambaConfig
 
 Q = gguf.GGMLQuantizationType
@@ -25,7 +27,7 @@ OUTTYPES = {
 VOCAB_PAD = {"mamba": 8, "mamba2": 16}
 CONTEXT_LENGTH = 2**20  # what llama.cpp writes for SSMs: no limit from positions
 # kept float32 whatever the outtype, as llama.cpp does
-F32_KINDS = ("ssm_a", "ssm_d", "ssm_conv1d.weight", "ssm_norm.weight")
+F32_KINDS = ("ssm_a", "ssm_d", "ssm_conv1d.weight", "ssm_norm.weight", "shortconv.conv.weight")
 
 
 def convert_hf_to_gguf(
@@ -34,14 +36,16 @@ def convert_hf_to_gguf(
     """Convert ``hf_dir`` to a GGUF file at ``out_path`` with matrices in ``outtype``; returns the path."""
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {sorted(OUTTYPES)}, got {outtype!r}")
-    ckpt = _pad_vocab(read_hf(hf_dir))
+    ckpt = read_hf(hf_dir)
+    hybrid = ckpt.arch not in VOCAB_PAD  # lfm2, nemotron_h: loaders/hybrid_convert.py
+    ckpt = ckpt if hybrid else _pad_vocab(ckpt)
     qtype, file_type = OUTTYPES[outtype]
     out_path = Path(out_path)
     writer = gguf.GGUFWriter(out_path, ckpt.arch)
-    _write_hparams(writer, ckpt, file_type)
+    (write_hybrid_hparams if hybrid else _write_hparams)(writer, ckpt, file_type)
     if ckpt.tokenizer is not None:
         _write_tokenizer(writer, ckpt)
-    for name, t in ckpt.tensors.items():
+    for name, t in (hybrid_gguf_tensors(ckpt) if hybrid else ckpt.tensors).items():
         data, dtype = _encode(name, t.float().numpy(), qtype)
         writer.add_tensor(name, data, raw_dtype=dtype)
     writer.write_header_to_file()
