@@ -22,12 +22,17 @@ programs (started before the row, stopped after it), and adds a table of the bus
 of its own quiet throughput each program keeps (median of per-round busy/quiet ratios). rsmem runs with
 the wait policy ``import rsmem`` sets (``rsmem.threads``; imported before torch here for that reason).
 ``--gguf FILE`` (repeatable) measures existing files too, e.g. the embedded model; ``--skip-130m`` only them.
+
+Other architectures come from ``bench/archs_*.py`` modules (``ARCHS``: see ``bench/bench_arch.py``): their
+names are ``--arch`` values, with their own columns (the ``rwkv`` package's speed) and rows; a row
+``decode1@N`` decodes one sequence after an N-token prompt (attention layers' cost grows with it).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import statistics
 import subprocess
@@ -44,6 +49,9 @@ import torch
 
 # isort: on
 
+sys.path.insert(0, str(Path(__file__).parent))  # the architecture modules beside this script
+from bench_arch import BenchArch
+
 DECODE_SEQS = (1, 8, 64)
 
 # A worker: loads the model once, then answers one measurement a line ("prefill" or "decode N") on stdin.
@@ -55,6 +63,7 @@ L.llama_backend_init()
 model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
 cp = L.llama_context_default_params()
 cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 8192, max(n_prompt, 64), max(n_prompt, 64), 64
+cp.kv_unified = True  # attention layers: one KV stream of 8192 cells, so one sequence can hold 4096+
 cp.n_threads = cp.n_threads_batch = threads
 ctx = L.llama_init_from_model(model, cp)
 mem = L.llama_get_memory(ctx)
@@ -71,20 +80,34 @@ def prefill():
     L.llama_memory_clear(mem, True)
     t0 = time.perf_counter(); decode([(t, i, 0, i == n_prompt - 1) for i, t in enumerate(prompt)])
     return n_prompt / (time.perf_counter() - t0)
-def decode_n(n):
+def decode_n(n, context):
     L.llama_memory_clear(mem, True)
-    decode([(5, 0, s, True) for s in range(n)])
-    decode([(6, 1, s, True) for s in range(n)])  # warm-up step
+    for i in range(0, context, n_prompt):  # a long context first (one sequence), in chunks of n_batch
+        decode([((7 * p) % 1000 + 1, p, 0, False) for p in range(i, min(i + n_prompt, context))])
+    decode([(5, context, s, True) for s in range(n)])
+    decode([(6, context + 1, s, True) for s in range(n)])  # warm-up step
     t0 = time.perf_counter()
-    for k in range(2, steps + 2):
+    for k in range(context + 2, context + steps + 2):
         decode([((s + k) % 1000 + 1, k, s, True) for s in range(n)])
     return n * steps / (time.perf_counter() - t0)
 prefill()  # warm-up
 print("ready", flush=True)
 for line in sys.stdin:
     cmd = line.split()
-    print(json.dumps(prefill() if cmd[0] == "prefill" else decode_n(int(cmd[1]))), flush=True)
+    out = prefill() if cmd[0] == "prefill" else decode_n(int(cmd[1]), int(cmd[2]))
+    print(json.dumps(out), flush=True)
 """
+
+
+def row_shape(row: str) -> tuple[int, int]:
+    """A row's sequence count and the context each sequence holds before the timed steps: ``"decode8"``
+    is ``(8, 0)``, ``"decode1@4096"`` ``(1, 4096)`` (the context is one sequence's prompt, so only
+    one-sequence rows take one)."""
+    seqs, _, context = row.removeprefix("decode").partition("@")
+    n, c = int(seqs), int(context or 0)
+    if c and n != 1:
+        raise ValueError(f"row {row!r}: only one-sequence rows take a context")
+    return n, c
 
 
 def hf_config(arch: str):
@@ -168,8 +191,12 @@ class RsmemRunner:
                 ctx.decode(rsmem.Batch(self.prompt, seq_ids=[[0]] * n_prompt))
 
             return n_prompt / timed(prefill)
-        n = int(row[6:])
-        ctx = rsmem.Context(model, n_seq_max=n)
+        n, context = row_shape(row)
+        # hybrids: one KV stream of 8192 cells, as the llama.cpp worker's (pure recurrent models ignore it)
+        ctx = rsmem.Context(model, n_seq_max=n, n_ctx=8192, kv_unified=True)
+        for i in range(0, context, n_prompt):
+            chunk = [(7 * p) % 1000 + 1 for p in range(i, min(i + n_prompt, context))]
+            ctx.decode(rsmem.Batch(chunk, seq_ids=[[0]] * len(chunk), logits=[False] * len(chunk)))
         ctx.decode(rsmem.Batch([5] * n, seq_ids=[[s] for s in range(n)], logits=[True] * n))
         k = [0]
 
@@ -204,7 +231,7 @@ class LlamaWorker:
 
     def measure(self, row: str) -> float:
         assert self.proc.stdin is not None
-        self.proc.stdin.write("prefill\n" if row == "prefill" else f"decode {row[6:]}\n")
+        self.proc.stdin.write("prefill\n" if row == "prefill" else "decode {} {}\n".format(*row_shape(row)))
         self.proc.stdin.flush()
         return float(json.loads(self._line()))
 
@@ -230,6 +257,7 @@ def bench_transformers(hf_model, n_prompt: int, steps: int) -> dict[str, float]:
 
 
 ROWS = ("prefill", *(f"decode{n}" for n in DECODE_SEQS))
+EXTRA_ARCHS: dict[str, BenchArch] = {}  # filled by main() from bench/archs_*.py
 
 
 @dataclass
@@ -241,6 +269,7 @@ class ArchResult:
     ratios: dict[str, list[float]] = field(default_factory=dict)
     compiled: bool = False
     flops_per_token: int = 0
+    rows: list[str] = field(default_factory=list)  # the rows measured (``--rows`` plus the arch's own)
     busy: ArchResult | None = None  # --contention: the same rows beside one CPU-bound process
     kept: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # name -> row -> busy/quiet
 
@@ -256,6 +285,8 @@ class ArchResult:
 def bench_arch(arch: str, args: argparse.Namespace) -> ArchResult:
     """Build the random model, convert it, then measure every row ``args.rounds`` times, rsmem and
     llama.cpp back to back each time (this machine's memory bandwidth drifts by 2x within a minute)."""
+    if arch in EXTRA_ARCHS:
+        return bench_extra_arch(EXTRA_ARCHS[arch], args)
     from transformers import Mamba2ForCausalLM, MambaForCausalLM
 
     skip_hf = args.no_transformers or (arch == "mamba2" and args.no_transformers_mamba2)
@@ -274,6 +305,25 @@ def bench_arch(arch: str, args: argparse.Namespace) -> ArchResult:
         return measure_file(gguf_path, args, result)
 
 
+def bench_extra_arch(spec: BenchArch, args: argparse.Namespace) -> ArchResult:
+    """An architecture of a ``bench/archs_*.py`` module: its GGUF, its own columns, then rsmem and
+    llama.cpp on every row (the ``--rows`` and the architecture's extra ones)."""
+    result = ArchResult(rows=[*args.rows, *spec.rows])
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf_path = spec.build(Path(tmp))
+        if spec.columns is not None:
+            result.cols.update(spec.columns(gguf_path, args))
+        return measure_file(gguf_path, args, result)
+
+
+def load_extra_archs() -> dict[str, BenchArch]:
+    """``ARCHS`` of every ``bench/archs_*.py`` module (RWKV, hybrids): their keys are ``--arch`` values."""
+    archs: dict[str, BenchArch] = {}
+    for path in sorted(Path(__file__).with_name("bench_arch.py").parent.glob("archs_*.py")):
+        archs.update(importlib.import_module(path.stem).ARCHS)
+    return archs
+
+
 def measure_file(gguf_path: Path, args: argparse.Namespace, result: ArchResult) -> ArchResult:
     """Measure every row ``args.rounds`` times on one GGUF file, rsmem and llama.cpp back to back (and,
     with ``--contention``, each again beside a busy process)."""
@@ -289,9 +339,10 @@ def measure_file(gguf_path: Path, args: argparse.Namespace, result: ArchResult) 
             print(f"llama.cpp worker failed: {exc}")
     modes = {"quiet": result} | ({"busy": ArchResult()} if args.contention else {})
     result.busy = modes.get("busy")
-    samples = {m: {name: {row: [] for row in ROWS} for name in runners} for m in modes}
+    result.rows = result.rows or list(args.rows)
+    samples = {m: {name: {row: [] for row in result.rows} for name in runners} for m in modes}
     for _ in range(args.rounds):
-        for row in args.rows:
+        for row in result.rows:
             got: dict[str, dict[str, float]] = {}
             for mode, res in modes.items():
                 with busy_neighbour(mode == "busy"):
@@ -338,7 +389,7 @@ def print_contention(arch: str, res: ArchResult, args: argparse.Namespace) -> No
     print(f"\n{arch} beside one CPU-bound process: tokens/s, and busy/quiet (median of per-round ratios)")
     head = "".join(f"{n:>14}{'kept':>8}" for n in names)
     print(f"{'':12}{head}{'rsmem/llama':>13}{'kept ratio':>12}")
-    for row in args.rows:
+    for row in res.rows:
         line, kept = f"{row:12}", {}
         for n in names:
             kept[n] = statistics.median(res.kept[n][row])
@@ -355,9 +406,9 @@ def print_arch(arch: str, res: ArchResult, args: argparse.Namespace, ceilings: d
     names = [n for n in ("rsmem", "transformers", "llama.cpp") if n in res.cols]
     header = "".join(f"{c:>14}" for c in names)
     print(f"{'':12}{header}{'rsmem/llama':>13}{'(range)':>12}{'of ceiling':>12}")
-    for row in args.rows:
+    for row in res.rows:
         line = f"{row:12}" + "".join(f"{res.cols[c].get(row, float('nan')):14.1f}" for c in names)
-        rows = args.prompt if row == "prefill" else int(row[6:])
+        rows = args.prompt if row == "prefill" else row_shape(row)[0]
         gflops = res.cols["rsmem"][row] * res.flops_per_token / 1e9
         ceiling = f"{gflops / ceilings[rows]:12.0%}" if rows in ceilings else ""
         line += f"{res.ratio(row):13.2f}{res.spread(row):>12}{ceiling}"
@@ -384,13 +435,16 @@ def print_side_by_side(results: dict[str, ArchResult], args: argparse.Namespace)
 
 
 def main() -> None:
+    EXTRA_ARCHS.update(load_extra_archs())
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", choices=["mamba", "mamba2", "both"], default="both")
+    ap.add_argument("--arch", choices=["mamba", "mamba2", "both", *EXTRA_ARCHS], default="both")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per sequence count")
     ap.add_argument("--rounds", type=int, default=3, help="measurements of each row; medians are reported")
-    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="rows to measure (all)")
+    ap.add_argument(
+        "--rows", nargs="+", default=list(ROWS), help="rows to measure: prefill, decodeN, decode1@CONTEXT"
+    )
     ap.add_argument("--llama-python", default=None, help="python with llama-cpp-python==0.3.36 installed")
     ap.add_argument("--compile", choices=["auto", "1", "0"], default="auto", help="rsmem's decode compile")
     ap.add_argument("--no-transformers", action="store_true")
