@@ -1,0 +1,7 @@
+"""Kernels for matrices held in GGUF block form (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K): see
+:mod:`rsmem.kernels.quant`."""
+
+from rsmem.kernels.formats import KERNEL_TYPES, row_bytes
+from rsmem.kernels.quant import dequantize_rows, kernels_active, qmatmul, qmatmul_ref
+
+__all__ = ["KERNEL_TYPES", "dequantize_rows", "kernels_active", "qmatmul", "qmatmul_ref", "row_bytes"]

@@ -1,0 +1,87 @@
+"""Building and loading the C++ kernels (``csrc/``) at first use, with a checked fallback.
+
+:func:`native_ops` builds ``csrc/qmatmul.cpp`` with ``torch.utils.cpp_extension.load`` (ninja, ``-O3
+-march=native``: AVX-512 code where the CPU has it, else a portable path) into the folder that
+:func:`rsmem.settings.kernels_setting` names, and loads it as torch ops (``torch.ops.rsmem_native``: no
+Python module, so no pybind). The build is cached there, keyed by the sources, flags and torch version;
+a later process only loads it. When kernels are disabled (``RSMEM_KERNELS=0``) or building or loading
+fails (no compiler, ninja missing, a compile error), it returns None once with a warning, and the callers
+use the torch reference twin instead (same results within the tolerances their tests state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rsmem import settings
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("qmatmul.cpp",)
+HEADERS = ("blocks.h",)
+CFLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp")
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _build_name() -> str:
+    """The extension's name: a hash of the sources, flags and torch version, so that a changed kernel or
+    torch rebuilds instead of loading a stale library."""
+    h = hashlib.sha256(torch.__version__.encode())
+    for name in (*SOURCES, *HEADERS):
+        h.update((CSRC / name).read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    return f"rsmem_kernels_{h.hexdigest()[:12]}"
+
+
+def _build() -> Any:
+    from torch.utils import cpp_extension
+
+    enabled, folder = settings.kernels_setting()
+    if not enabled:
+        return None
+    name = _build_name()
+    build_dir = folder / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(CSRC)],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    return torch.ops.rsmem_native
+
+
+def native_ops() -> Any:
+    """``torch.ops.rsmem_native`` (qmatmul, dequantize, isa) once built and loaded, else None (kernels
+    disabled, or the build failed: warned once). The outcome is kept for the process."""
+    if "ops" not in _state:
+        with _lock:
+            if "ops" not in _state:
+                try:
+                    _state["ops"] = _build()
+                except Exception as exc:  # no compiler, no ninja, a compile error: the reference twin
+                    _state["ops"] = None
+                    _state["error"] = exc
+                    warnings.warn(
+                        f"rsmem: building the quantized-matrix kernels failed, using the torch reference "
+                        f"instead (slower): {exc}",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+    return _state["ops"]
+
+
+def build_error() -> BaseException | None:
+    """Why :func:`native_ops` returned None after a failed build (None when it did not fail)."""
+    return _state.get("error")

@@ -1,0 +1,77 @@
+"""Products with matrices held in GGUF block form: ``qmatmul(x, blocks, qtype, k) = x @ W.T``.
+
+``W`` is ``N`` rows of ``K`` values stored as a uint8 tensor ``[N, row_bytes]`` of ggml blocks
+(:mod:`rsmem.kernels.formats`). :func:`qmatmul` is the torch op ``torch.ops.rsmem.qmatmul`` (registered
+when this module is imported, with a fake implementation, so a ``torch.compile(fullgraph=True)`` function
+may call it: the compiled graph calls the op as one opaque kernel). On CPU it runs the C++ kernels of
+``csrc/`` (:mod:`rsmem.kernels.build`: built at first use, cached), else, when kernels are disabled
+(``RSMEM_KERNELS=0``) or failed to build (warned once), :func:`qmatmul_ref`.
+
+Routes by the number of activation rows ``M`` (the C++ side, ``csrc/qmatmul.cpp``):
+
+- ``M < 16`` (one-sequence decode, small batches): blocks are dequantized in registers and multiplied with
+  the float32 activations: the reference's values, only the summation order differs (~1e-6 relative).
+- ``M >= 16`` (large batches, prefill): tiles of 64 weight rows are dequantized to float32 in cache and
+  multiplied with torch's GEMM (float32 activations: also ~1e-6 from the reference).
+
+:func:`qmatmul_ref` is the plain reference twin: dequantize (:func:`dequantize_rows`, gguf's values) in
+row tiles, so that no float32 copy of a whole large matrix is made at once, and ``x @ tile.T``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rsmem.kernels.build import native_ops
+from rsmem.kernels.dequant import dequantize_rows
+from rsmem.kernels.formats import KERNEL_TYPES, check_blocks, check_matmul
+
+__all__ = ["KERNEL_TYPES", "dequantize_rows", "kernels_active", "qmatmul", "qmatmul_ref"]
+
+# float32 values the reference dequantizes at once (4 MiB)
+REF_TILE_VALUES = 1 << 20
+
+
+def qmatmul_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """The reference twin of :func:`qmatmul`: ``x @ dequantize_rows(blocks).T``, in tiles of rows."""
+    check_matmul(x, blocks, qtype, k)
+    n = blocks.shape[0]
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    rows = max(1, REF_TILE_VALUES // k)
+    for n0 in range(0, n, rows):
+        w = dequantize_rows(blocks[n0 : n0 + rows], qtype, k)
+        torch.matmul(x, w.T, out=out[:, n0 : n0 + rows])
+    return out
+
+
+def kernels_active() -> bool:
+    """Whether :func:`qmatmul` runs the C++ kernels on CPU (builds them on first call)."""
+    return native_ops() is not None
+
+
+def _qmatmul_impl(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    check_matmul(x, blocks, qtype, k)
+    ops = native_ops() if x.device.type == "cpu" and blocks.device.type == "cpu" else None
+    if ops is None:
+        return qmatmul_ref(x, blocks, qtype, k)
+    return ops.qmatmul(x, blocks, qtype, k, -1)
+
+
+def _qmatmul_fake(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    check_blocks(blocks, qtype, k)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be a float32 [M, {k}] tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    return x.new_empty((x.shape[0], blocks.shape[0]))
+
+
+_lib = torch.library.Library("rsmem", "DEF")
+_lib.define("qmatmul(Tensor x, Tensor blocks, int qtype, int k) -> Tensor")
+_lib.impl("qmatmul", _qmatmul_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("rsmem::qmatmul", _qmatmul_fake, lib=_lib)
+
+
+def qmatmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """``x @ W.T`` for float32 ``x [M, k]`` and ``W`` as ``blocks [N, row_bytes]`` of ``qtype``: float32
+    ``[M, N]``. ValueError for a type without a kernel, a ``k`` that is not a multiple of its block size,
+    rows of the wrong length or ``x`` not float32 ``[M, k]``."""
+    return torch.ops.rsmem.qmatmul(x, blocks, int(qtype), k)
