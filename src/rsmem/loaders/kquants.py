@@ -1,0 +1,230 @@
+"""K-quant quantizers (Q4_K, Q5_K, Q6_K), written from ggml-quants.c's reference functions
+(``quantize_row_q{4,5,6}_K_ref`` with ``make_qkx2_quants`` / ``make_qx_quants`` / ``nearest_int``), the
+ones llama.cpp's quantizer runs when no importance matrix is given.
+
+Every step is float32 arithmetic in ggml's order, vectorised over blocks: sums that ggml accumulates element
+by element are ``np.add.accumulate`` along the block (a sequential sum, unlike ``np.sum``'s pairwise one),
+``a*b*c`` is ``(a*b)*c``, and ``nearest_int`` (ggml's 1.5*2^23 trick) is round-half-to-even. The bytes then
+equal llama.cpp's (tests/quantize/ checks them against files llama.cpp wrote).
+
+Each function takes float32 rows whose length is a multiple of 256 and returns the blocks as uint8, one row
+of ``type_size`` bytes per 256 values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gguf
+import numpy as np
+
+Q = gguf.GGMLQuantizationType
+QK_K = 256
+GROUP_MAX_EPS = np.float32(1e-15)
+F32 = np.float32
+
+
+def _seq_sum(a: np.ndarray) -> np.ndarray:
+    """Sum over the last axis from first to last element, in float32 (ggml's ``for`` loop)."""
+    return np.add.accumulate(a, axis=-1, dtype=np.float32)[..., -1]
+
+
+def _nearest_int(x: np.ndarray) -> np.ndarray:
+    return np.rint(x).astype(np.int32)
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8).reshape(*x.shape, 2)
+
+
+def _f16_round(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def make_qkx2_quants(
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's ``make_qkx2_quants`` (use_mad false) over groups ``x`` [n_groups, n] with weights ``w``:
+    returns (scale, the_min, L) with L in [0, nmax]."""
+    mn = x.min(axis=1)
+    mx = x.max(axis=1)
+    sum_w = _seq_sum(w)
+    sum_x = _seq_sum(w * x)
+    mn = np.minimum(mn, F32(0))
+    flat = mx == mn
+    flat_min = -mn
+    rng = np.where(flat, F32(1), mx - mn)
+    xm = x - mn[:, None]
+    iscale = F32(nmax) / rng
+    scale = F32(1) / iscale
+    L = np.clip(_nearest_int(iscale[:, None] * xm), 0, nmax)
+    Lf = L.astype(np.float32)
+    diff = scale[:, None] * Lf + mn[:, None] - x
+    best_error = _seq_sum(w * (diff * diff))
+    for step in range(nstep + 1):
+        # ggml's loop reads ``min`` after the steps before it may have moved it
+        rng = np.where(flat, F32(1), mx - mn)
+        xm = x - mn[:, None]
+        iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / rng
+        laux = np.clip(_nearest_int(iscale[:, None] * xm), 0, nmax)
+        lf = laux.astype(np.float32)
+        wl = w * lf
+        sum_l = _seq_sum(wl)
+        sum_l2 = _seq_sum(wl * lf)
+        sum_xl = _seq_sum(wl * x)
+        D = sum_w * sum_l2 - sum_l * sum_l
+        ok = D > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            pos = this_min > 0
+            this_min = np.where(pos, F32(0), this_min)
+            this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+            d = this_scale[:, None] * lf + this_min[:, None] - x
+            cur_error = _seq_sum(w * (d * d))
+        better = ok & (cur_error < best_error)
+        L = np.where(better[:, None], laux, L)
+        best_error = np.where(better, cur_error, best_error)
+        scale = np.where(better, this_scale, scale)
+        mn = np.where(better, this_min, mn)
+    L = np.where(flat[:, None], 0, L)
+    scale = np.where(flat, F32(0), scale)
+    return scale.astype(np.float32), np.where(flat, flat_min, -mn).astype(np.float32), L
+
+
+def make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's ``make_qx_quants`` with rmse_type 1 and no importance weights, over groups ``x``
+    [n_groups, n]: returns (scale, L) with L in [0, 2*nmax)."""
+    ax = np.abs(x)
+    imax = ax.argmax(axis=1)  # the first of equal maxima, as ggml's strict ``>``
+    amax = np.take_along_axis(ax, imax[:, None], axis=1)[:, 0]
+    mx = np.take_along_axis(x, imax[:, None], axis=1)[:, 0]
+    zero = amax < GROUP_MAX_EPS
+    mx = np.where(zero, F32(1), mx)
+    w = x * x
+    wx = w * x
+
+    def try_scale(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        lv = np.clip(_nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
+        lf = lv.astype(np.float32)
+        return lv, _seq_sum(wx * lf), _seq_sum((w * lf) * lf)
+
+    lv, sumlx, suml2 = try_scale(F32(-nmax) / mx)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(suml2 != 0, sumlx / suml2, F32(0))
+    best = scale * sumlx
+    L = lv + nmax
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        lv, sumlx, suml2 = try_scale(-(F32(nmax) + F32(0.1) * F32(step)) / mx)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            new_scale = sumlx / suml2
+        L = np.where(better[:, None], lv + nmax, L)
+        scale = np.where(better, new_scale, scale)
+        best = np.where(better, scale * sumlx, best)
+    L = np.where(zero[:, None], 0, L)
+    scale = np.where(zero, F32(0), scale)
+    return scale.astype(np.float32), L
+
+
+def _pack_scales_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
+    """The 12 scale bytes of a Q4_K/Q5_K block from 8 six-bit scales and mins ([nb, 8] each)."""
+    ls = ls.astype(np.uint8)
+    lm = lm.astype(np.uint8)
+    out = np.zeros((ls.shape[0], 12), np.uint8)
+    out[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (ls[:, 4:8] & 0xF) | ((lm[:, 4:8] & 0xF) << 4)
+    return out
+
+
+def _q45k_common(
+    x: np.ndarray, nmax: int, rmin: float, nstep: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The shared part of Q4_K and Q5_K: (d bytes + dmin bytes [nb, 4], scales [nb, 12], L [nb, 256])."""
+    nb = x.shape[0] // QK_K
+    sub = x.reshape(nb * 8, 32)
+    sum_x2 = _seq_sum(sub * sub)
+    av_x = np.sqrt(sum_x2 / F32(32))
+    weights = av_x[:, None] + np.abs(sub)
+    scales, mins, L = make_qkx2_quants(sub, weights, nmax, rmin, 0.1, nstep)
+    scales = scales.reshape(nb, 8)
+    mins = mins.reshape(nb, 8)
+    max_scale = np.maximum(scales.max(axis=1), F32(0))
+    max_min = np.maximum(mins.max(axis=1), F32(0))
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, F32(63) / max_scale, F32(0))
+        inv_min = np.where(max_min > 0, F32(63) / max_min, F32(0))
+    ls = np.minimum(_nearest_int(inv_scale[:, None] * scales) & 0xFF, 63)  # ggml stores into a uint8
+    lm = np.minimum(_nearest_int(inv_min[:, None] * mins) & 0xFF, 63)
+    d16 = _f16_round(max_scale / F32(63))
+    dmin16 = _f16_round(max_min / F32(63))
+    d = (d16[:, None] * ls.astype(np.float32)).reshape(nb * 8)
+    dm = (dmin16[:, None] * lm.astype(np.float32)).reshape(nb * 8)
+    keep = d == 0  # ggml skips these sub-blocks, keeping make_qkx2_quants' L
+    with np.errstate(divide="ignore", invalid="ignore"):
+        l2 = np.clip(_nearest_int((sub + dm[:, None]) / np.where(keep, F32(1), d)[:, None]), 0, nmax)
+    L = np.where(keep[:, None], L, l2).reshape(nb, QK_K).astype(np.uint8)
+    head = np.concatenate([_f16_bytes(d16), _f16_bytes(dmin16)], axis=1)
+    return head, _pack_scales_k4(ls, lm), L
+
+
+def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1)
+    head, scales, L = _q45k_common(x, 15, -1.0, 20)
+    nb = L.shape[0]
+    L4 = L.reshape(nb, 4, 2, 32)
+    qs = (L4[:, :, 0, :] | (L4[:, :, 1, :] << 4)).reshape(nb, 128)
+    return np.concatenate([head, scales, qs], axis=1)
+
+
+def quantize_q5_k(rows: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1)
+    head, scales, L = _q45k_common(x, 31, -0.5, 15)
+    nb = L.shape[0]
+    L4 = L.reshape(nb, 4, 2, 32)  # [block, n/64, half, j]
+    hi = (L4 > 15).astype(np.uint8)
+    lo = L4 - hi * 16
+    shifts = (2 * np.arange(4, dtype=np.uint8))[None, :, None]
+    qh = ((hi[:, :, 0, :] << shifts) | (hi[:, :, 1, :] << (shifts + 1))).sum(axis=1, dtype=np.uint8)
+    qs = (lo[:, :, 0, :] | (lo[:, :, 1, :] << 4)).reshape(nb, 128)
+    return np.concatenate([head, scales, qh, qs], axis=1)
+
+
+def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1)
+    nb = x.shape[0] // QK_K
+    sub = x.reshape(nb * 16, 16)
+    scales, L = make_qx_quants_rmse1(sub, 32)
+    scales = scales.reshape(nb, 16)
+    ia = np.abs(scales).argmax(axis=1)
+    max_scale = np.take_along_axis(scales, ia[:, None], axis=1)[:, 0]
+    zero = np.abs(max_scale) < GROUP_MAX_EPS
+    with np.errstate(divide="ignore"):
+        iscale = F32(-128) / np.where(zero, F32(1), max_scale)
+        d16 = np.where(zero, F32(0), _f16_round(F32(1) / iscale))
+    sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127).astype(np.int8)
+    d = (d16[:, None] * sc.astype(np.float32)).reshape(nb * 16)
+    keep = d == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        l2 = np.clip(_nearest_int(sub / np.where(keep, F32(1), d)[:, None]), -32, 31) + 32
+    L = np.where(keep[:, None], L, l2).reshape(nb, QK_K).astype(np.uint8)
+    L = np.where(zero[:, None], np.uint8(0), L)
+    sc = np.where(zero[:, None], np.int8(0), sc)
+    L8 = L.reshape(nb, 2, 4, 32)  # [block, 128-half, quarter, l]
+    low = L8 & 0xF
+    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
+    high = L8 >> 4
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    return np.concatenate(
+        [ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8), _f16_bytes(d16)], axis=1
+    )
+
+
+QUANTIZERS: dict[gguf.GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
+    Q.Q4_K: quantize_q4_k,
+    Q.Q5_K: quantize_q5_k,
+    Q.Q6_K: quantize_q6_k,
+}
