@@ -82,6 +82,13 @@ def native_ops() -> Any:
     return _state["ops"]
 
 
+def reset() -> None:
+    """Forget the outcome of :func:`native_ops`, so that the next call decides again (reads
+    ``RSMEM_KERNELS`` again, builds or loads again, warns again on failure). For tests."""
+    with _lock:
+        _state.clear()
+
+
 def build_error() -> BaseException | None:
     """Why :func:`native_ops` returned None after a failed build (None when it did not fail)."""
     return _state.get("error")

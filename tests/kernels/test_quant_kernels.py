@@ -1,0 +1,200 @@
+"""rsmem.kernels: dequantize_rows against gguf, qmatmul (every route the C++ side has) against its
+reference twin, the torch op under torch.compile, the fallback without kernels, and bad inputs."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from rsmem.kernels import (
+    KERNEL_TYPES,
+    build,
+    dequantize_rows,
+    kernels_active,
+    qmatmul,
+    qmatmul_ref,
+    row_bytes,
+)
+from rsmem.kernels.formats import block_shape
+
+Q = gguf.GGMLQuantizationType
+SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+# float32 activations: only the summation order differs from the reference, an error bounded by a few
+# float32 epsilons (1.2e-7) times the sum of the terms' magnitudes, sum_i |x_i w_i| (K <= 768 here)
+F32_RTOL = 1e-6
+
+
+def random_blocks(qtype: Q, n: int, k: int, seed: int = 0, any_scales: bool = False) -> torch.Tensor:
+    """Random block bytes; the f16 scales small and finite unless ``any_scales``."""
+    rng = np.random.default_rng(seed)
+    bs, ts = block_shape(qtype)
+    b = rng.integers(0, 256, (n, k // bs, ts), dtype=np.uint8)
+    if not any_scales:
+        d = (rng.random((n, k // bs)) * 0.02 + 1e-3).astype(np.float16).view(np.uint8).reshape(n, k // bs, 2)
+        for off in SCALE_OFFSETS[qtype]:
+            b[:, :, off : off + 2] = d
+    return torch.from_numpy(b.reshape(n, -1).copy())
+
+
+def assert_f32_close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qtype: Q, k: int) -> None:
+    """``y`` is within F32_RTOL x sum_i |x_i w_i| of the reference, each output."""
+    ref = qmatmul_ref(x, blocks, qtype, k)
+    assert y.shape == ref.shape
+    magnitude = x.abs() @ dequantize_rows(blocks, qtype, k).abs().T
+    err = (y - ref).abs()
+    worst = (err / magnitude.clamp_min(1e-30)).max().item() if ref.numel() else 0.0
+    assert worst <= F32_RTOL, f"error {worst:.3g} of sum |x w| > {F32_RTOL}"
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_equals_gguf(qtype: Q) -> None:
+    blocks = random_blocks(qtype, 5, 512, any_scales=True)
+    with np.errstate(all="ignore"):
+        ref = gguf.quants.dequantize(blocks.numpy(), qtype)
+    ours = dequantize_rows(blocks, qtype, 512).numpy()
+    assert ours.shape == ref.shape == (5, 512)
+    np.testing.assert_array_equal(ours, ref)  # NaN where gguf has NaN (random f16 scales)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_native_dequantize_equals_gguf(qtype: Q) -> None:
+    ops = build.native_ops()
+    if ops is None:
+        pytest.skip(f"kernels not built here: {build.build_error()}")
+    blocks = random_blocks(qtype, 7, 768, seed=1)
+    ref = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype))
+    assert torch.equal(ops.dequantize(blocks, int(qtype), 768), ref)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 64, 512])
+def test_qmatmul_matches_reference(qtype: Q, m: int) -> None:
+    n, k = 37, 512  # N odd: a last group of fewer than four weight rows
+    blocks = random_blocks(qtype, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = qmatmul(x, blocks, qtype, k)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert_f32_close(y, x, blocks, qtype, k)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("route", [0, 1])
+def test_every_route_matches_reference(qtype: Q, route: int) -> None:
+    """Each C++ route at row counts it is not chosen for by default, and single weight rows."""
+    ops = build.native_ops()
+    if ops is None:
+        pytest.skip(f"kernels not built here: {build.build_error()}")
+    k = 768
+    for n, m in ((1, 1), (6, 5), (131, 20), (64, 2)):
+        blocks = random_blocks(qtype, n, k, seed=n)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+        assert_f32_close(ops.qmatmul(x, blocks, int(qtype), k, route), x, blocks, qtype, k)
+
+
+def test_empty_and_strided_inputs() -> None:
+    blocks = random_blocks(Q.Q8_0, 9, 64)
+    assert qmatmul(torch.zeros(0, 64), blocks, Q.Q8_0, 64).shape == (0, 9)
+    x = torch.randn(64, 3).T  # not contiguous
+    assert_f32_close(qmatmul(x, blocks, Q.Q8_0, 64), x.contiguous(), blocks, Q.Q8_0, 64)
+
+
+def test_reference_works_in_row_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rsmem.kernels import quant
+
+    blocks = random_blocks(Q.Q4_K, 10, 256)
+    x = torch.randn(2, 256)
+    w = dequantize_rows(blocks, Q.Q4_K, 256)
+    monkeypatch.setattr(quant, "REF_TILE_VALUES", 3 * 256)  # tiles of 3 rows: 3 + 3 + 3 + 1
+    err = (qmatmul_ref(x, blocks, Q.Q4_K, 256) - x @ w.T).abs() / (x.abs() @ w.abs().T)
+    assert err.max().item() <= F32_RTOL
+
+
+def test_op_under_torch_compile() -> None:
+    k = 512
+    mats = [(t, random_blocks(t, 19, k, seed=int(t))) for t in KERNEL_TYPES]
+
+    def step(x: torch.Tensor, *blocks: torch.Tensor) -> torch.Tensor:
+        return torch.cat([qmatmul(x, b, t, k) for (t, _), b in zip(mats, blocks)], dim=1) * 2.0 + 1.0
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    x = torch.randn(1, k)
+    b = [m for _, m in mats]
+    y = compiled(x, *b)
+    for i, (t, m) in enumerate(mats):
+        assert_f32_close((y[:, 19 * i : 19 * (i + 1)] - 1.0) / 2.0, x, m, t, k)
+    assert_f32_close(torch.ops.rsmem.qmatmul(x, b[0], int(Q.Q8_0), k), x, b[0], Q.Q8_0, k)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch: pytest.MonkeyPatch):
+    build.reset()
+    yield monkeypatch
+    monkeypatch.undo()
+    build.reset()
+
+
+def test_disabled_kernels_give_reference_results(fresh_build: pytest.MonkeyPatch) -> None:
+    fresh_build.setenv("RSMEM_KERNELS", "0")
+    assert not kernels_active()
+    for qtype in KERNEL_TYPES:
+        blocks = random_blocks(qtype, 11, 256)
+        x = torch.randn(3, 256)
+        assert torch.equal(qmatmul(x, blocks, qtype, 256), qmatmul_ref(x, blocks, qtype, 256))
+
+
+def test_failed_build_warns_once_and_falls_back(fresh_build: pytest.MonkeyPatch) -> None:
+    def broken() -> None:
+        raise RuntimeError("no compiler here")
+
+    fresh_build.setattr(build, "_build", broken)
+    blocks = random_blocks(Q.Q6_K, 4, 256)
+    x = torch.randn(2, 256)
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        y = qmatmul(x, blocks, Q.Q6_K, 256)
+    assert torch.equal(y, qmatmul_ref(x, blocks, Q.Q6_K, 256))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qmatmul(x, blocks, Q.Q6_K, 256)  # no second warning
+    assert isinstance(build.build_error(), RuntimeError)
+
+
+def test_kernels_are_built_here() -> None:
+    """This machine has g++ and ninja: the kernels must build (a silent fallback would hide a bug)."""
+    assert kernels_active(), build.build_error()
+
+
+@pytest.mark.parametrize("fn", [qmatmul, qmatmul_ref], ids=["qmatmul", "qmatmul_ref"])
+def test_bad_inputs_raise_value_error(fn) -> None:
+    blocks = random_blocks(Q.Q8_0, 4, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="row_bytes=68"):
+        fn(x, blocks, Q.Q4_0, 64)  # Q4_0 rows of 64 values take 36 bytes
+    with pytest.raises(ValueError, match="not a positive multiple of Q8_0's block size 32"):
+        fn(torch.randn(2, 48), blocks, Q.Q8_0, 48)
+    with pytest.raises(ValueError, match="has no kernel"):
+        fn(x, blocks, Q.Q4_1, 64)
+    with pytest.raises(ValueError, match="float32"):
+        fn(x.double(), blocks, Q.Q8_0, 64)
+    with pytest.raises(ValueError, match=r"x must be a float32 \[M, 64\]"):
+        fn(torch.randn(2, 32), blocks, Q.Q8_0, 64)
+    with pytest.raises(ValueError, match="2-D uint8"):
+        fn(x, blocks.view(torch.int8), Q.Q8_0, 64)
+
+
+def test_bad_inputs_raise_value_error_when_compiling() -> None:
+    blocks = random_blocks(Q.Q8_0, 4, 64)
+    compiled = torch.compile(lambda x, b: qmatmul(x, b, Q.Q4_K, 256), fullgraph=True)
+    with pytest.raises(Exception, match="row_bytes=68"):
+        compiled(torch.randn(1, 256), blocks)
+
+
+def test_row_bytes() -> None:
+    assert row_bytes(Q.Q8_0, 768) == 24 * 34
+    assert row_bytes(Q.Q4_K, 768) == 3 * 144
+    assert row_bytes(Q.Q6_K, 256) == 210
+    with pytest.raises(ValueError, match="multiple"):
+        row_bytes(Q.Q5_K, 128)
