@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import gguf
+import torch
 
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.checkpoint import Checkpoint, tensor_name
 from rsmem.loaders.checkpoint import metadata_int as _int
+from rsmem.models.compiled import CompileSetting
 from rsmem.models.lfm2 import Attention, Lfm2Config, Lfm2Layer, Lfm2Model, Lfm2Weights
 from rsmem.models.nemotron_h import (
     ATTENTION,
@@ -102,15 +104,18 @@ def _nemotron_h_config(
         raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
 
 
-def build_hybrid(ckpt: Checkpoint) -> Lfm2Model | NemotronHModel:
+def build_hybrid(
+    ckpt: Checkpoint, dtype: torch.dtype = torch.float32, compile: CompileSetting = None
+) -> Lfm2Model | NemotronHModel:
+    """The model of ``ckpt`` (``dtype``: its matrices'; ``compile``: see the models' ``set_compile``)."""
     if ckpt.arch == "lfm2":
-        return _lfm2(ckpt)
+        return _lfm2(ckpt, dtype, compile)
     if ckpt.arch == "nemotron_h":
-        return _nemotron_h(ckpt)
+        return _nemotron_h(ckpt, dtype, compile)
     raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
 
 
-def _lfm2(ckpt: Checkpoint) -> Lfm2Model:
+def _lfm2(ckpt: Checkpoint, dtype: torch.dtype, compile: CompileSetting) -> Lfm2Model:
     cfg = ckpt.config
     assert isinstance(cfg, Lfm2Config)
     d, f, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
@@ -151,10 +156,10 @@ def _lfm2(ckpt: Checkpoint) -> Lfm2Model:
         norm_f=ckpt.get(tensor_name(T.TOKEN_EMBD_NORM), (d,)),  # LFM2's output norm has this name in GGUF
         lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
     )
-    return Lfm2Model(cfg, weights)
+    return Lfm2Model(cfg, weights, dtype=dtype, compile=compile)
 
 
-def _nemotron_h(ckpt: Checkpoint) -> NemotronHModel:
+def _nemotron_h(ckpt: Checkpoint, dtype: torch.dtype, compile: CompileSetting) -> NemotronHModel:
     cfg = ckpt.config
     assert isinstance(cfg, NemotronHConfig)
     d, di, nh, hd = cfg.d_model, cfg.d_inner, cfg.n_ssm_head, cfg.head_dim
@@ -199,4 +204,4 @@ def _nemotron_h(ckpt: Checkpoint) -> NemotronHModel:
         norm_f=ckpt.get(tensor_name(T.OUTPUT_NORM), (d,)),
         lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
     )
-    return NemotronHModel(cfg, weights)
+    return NemotronHModel(cfg, weights, dtype=dtype, compile=compile)

@@ -6,101 +6,36 @@ convolution (``in_proj`` gives ``b, c, x``; ``y = c * conv(b * x)``; the state i
 RMS-normed q and k per head and NeoX RoPE over the whole head, its keys and values in the KV cache. After
 the last layer: RMS norm (``token_embd_norm`` in the GGUF) and the LM head.
 
-Also here, for the hybrids that share them: :class:`HybridStates` (what a hybrid model's forward reads),
-:func:`rope_neox` and :class:`Attention` (the q/k/v/o block). Eager float32 paths; no compiled steps yet.
+Matrices are held as :mod:`rsmem.models.hybrid_layers` says (oneDNN twins; gate and up one product). A
+one-sequence decode step runs each layer through ``torch.compile`` (:mod:`rsmem.models.ops.hybrid_fused`,
+:mod:`rsmem.models.compiled`'s policy and checked fallback) when the model compiles; everything else is
+eager.
 """
 
 from __future__ import annotations
 
-import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
+from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
+from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, RopeTables, rope_neox
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
+from rsmem.models.ops.fused import head_one
+from rsmem.models.ops.hybrid_fused import attn_in_one, lfm2_attn_out_one, lfm2_conv_one_
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.protocol import StateAccess
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-
-class HybridStates(StateAccess, Protocol):
-    """The memory context as a hybrid model's forward sees it (``HybridMemoryContext``)."""
-
-    def attention(
-        self,
-        il: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        ubatch: UBatch | None = None,
-    ) -> torch.Tensor:
-        """Store ``k``, ``v`` ``[n_tokens, n_head_kv, d]`` of ``ubatch``'s tokens (the micro-batch the forward
-        runs: a column slice of the placed one when the Context runs it in parts) in layer ``il``'s cache and
-        attend with ``q`` ``[n_tokens, n_head, d]``; returns ``[n_tokens, n_head * d]``."""
-        ...
-
-
-def rope_neox(x: torch.Tensor, pos: torch.Tensor, base: float, n_rot: int) -> torch.Tensor:
-    """NeoX-style rotary embedding of the first ``n_rot`` channels of each head: ``x`` ``[n, H, D]``,
-    ``pos`` ``[n]``; channel ``i`` pairs with ``i + n_rot / 2`` (ggml's ``LLAMA_ROPE_TYPE_NEOX``)."""
-    half = n_rot // 2
-    inv_freq = base ** (-torch.arange(half, dtype=torch.float64) * 2 / n_rot)
-    angle = (pos.to(torch.float64)[:, None] * inv_freq[None, :]).to(torch.float32)  # [n, half]
-    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
-    x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
-
-
-@dataclass(slots=True)
-class Attention:
-    """One attention block's weights (``[out, in]``) and shape; norms and RoPE are optional."""
-
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    wo: torch.Tensor
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    rope_base: float = 0.0  # 0: no RoPE
-    n_rot: int = 0
-
-    def forward(
-        self, il: int, h: torch.Tensor, ubatch: UBatch, states: HybridStates, eps: float
-    ) -> torch.Tensor:
-        """``h`` ``[Bs, L, d_model]`` (normed input) of ``ubatch``'s tokens -> ``[Bs, L, d_model]``."""
-        pos = torch.tensor(ubatch.pos, dtype=torch.long)
-        n_seqs, n_tokens, _ = h.shape
-        flat = h.reshape(n_seqs * n_tokens, -1)
-        q = F.linear(flat, self.wq).view(-1, self.n_head, self.head_dim)
-        k = F.linear(flat, self.wk).view(-1, self.n_head_kv, self.head_dim)
-        v = F.linear(flat, self.wv).view(-1, self.n_head_kv, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = rms_norm(q, self.q_norm, eps), rms_norm(k, self.k_norm, eps)
-        if self.rope_base:
-            q, k = (
-                rope_neox(q, pos, self.rope_base, self.n_rot),
-                rope_neox(k, pos, self.rope_base, self.n_rot),
-            )
-        out = states.attention(il, q, k, v, 1.0 / math.sqrt(self.head_dim), ubatch)
-        return F.linear(out, self.wo).view(n_seqs, n_tokens, -1)
-
-    def k_shift(self, rows: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Stored keys ``[n, n_head_kv * head_dim]`` moved by ``delta`` positions."""
-        if not self.rope_base:
-            return rows
-        heads = rows.view(-1, self.n_head_kv, self.head_dim)
-        return rope_neox(heads, delta, self.rope_base, self.n_rot).reshape(rows.shape)
+__all__ = ["Attention", "HybridStates", "Lfm2Config", "Lfm2Layer", "Lfm2Model", "Lfm2Weights", "rope_neox"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +62,10 @@ class Lfm2Config:
 
 @dataclass(slots=True)
 class Lfm2Layer:
+    """One layer's weights: ``[out, in]`` as loaded; after the model holds them, the matrices are the
+    ``[in, out]`` tensors of :class:`~rsmem.models.hybrid_layers.HeldMatrices` (``gate_up`` the gate and up
+    rows as one, ``ffn_gate`` / ``ffn_up`` views of it)."""
+
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
     ffn_gate: torch.Tensor  # [d_ff, d_model]
@@ -136,6 +75,7 @@ class Lfm2Layer:
     conv: torch.Tensor | None = None  # [d_model, l_cache]
     conv_in: torch.Tensor | None = None  # [3 * d_model, d_model]: b, c, x
     conv_out: torch.Tensor | None = None  # [d_model, d_model]
+    gate_up: torch.Tensor | None = None  # held: [d_model, 2 * d_ff]
 
 
 @dataclass(slots=True)
@@ -146,17 +86,26 @@ class Lfm2Weights:
     lm_head: torch.Tensor
 
 
-def swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+def out_in(weight_t: torch.Tensor) -> torch.Tensor:
+    """A held ``[in, out]`` matrix as the ``[out, in]`` rows the one-token blocks stream."""
+    return weight_t.t()
 
 
 class Lfm2Model:
-    """An LFM2 language model for a :class:`~rsmem.memory.hybrid.HybridMemory` (float32, eager)."""
+    """An LFM2 language model for a :class:`~rsmem.memory.hybrid.HybridMemory`."""
 
     arch = "lfm2"
-    compile_decode = False
 
-    def __init__(self, config: Lfm2Config, weights: Lfm2Weights) -> None:
+    def __init__(
+        self,
+        config: Lfm2Config,
+        weights: Lfm2Weights,
+        *,
+        dtype: torch.dtype = torch.float32,
+        compile: CompileSetting = None,
+    ) -> None:
+        """``dtype``: the matrices' and the head's (float32 or bfloat16; the rest is float32);
+        ``compile``: see :meth:`set_compile`."""
         self.config = config
         self.n_vocab = config.n_vocab
         self.n_layer = config.n_layer
@@ -164,13 +113,39 @@ class Lfm2Model:
         self.n_embd_s = 0
         self.tokenizer: Tokenizer | None = None
         f32 = torch.float32
+        self.held = HeldMatrices(dtype)
         self.embedding = weights.embedding.to(f32).contiguous()
         self.norm_f = weights.norm_f.to(f32)
-        self.lm_head = weights.lm_head.to(f32).contiguous()
-        self.layers = weights.layers
+        tied = weights.lm_head is weights.embedding
+        self.lm_head = self.held.hold(self.embedding if tied else weights.lm_head)  # [in, out]
+        self.layers = [self._hold_layer(ly) for ly in weights.layers]
         self.kv_layers: Mapping[int, tuple[int, int]] = {
             il: (n * config.head_dim, n * config.head_dim) for il, n in enumerate(config.n_head_kv) if n
         }
+        matrices = [self.lm_head]
+        for ly in self.layers:
+            att = ly.attention
+            held = [ly.gate_up, ly.ffn_down] + ([att.wqkv_t, att.wo_t] if att else [ly.conv_in, ly.conv_out])
+            matrices += [m for m in held if m is not None]
+        self._n_matrix_weights = sum(m.numel() for m in matrices)
+        # the one-sequence compiled blocks stream [out, in] rows: float32 matrices held as views of them
+        self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
+        self.compile_decode = False
+        self.set_compile(compile)
+
+    def _hold_layer(self, ly: Lfm2Layer) -> Lfm2Layer:
+        f32, d_ff = torch.float32, ly.ffn_gate.shape[0]
+        ly.gate_up = self.held.hold(torch.cat([ly.ffn_gate, ly.ffn_up]).to(f32))
+        ly.ffn_gate, ly.ffn_up = ly.gate_up[:, :d_ff], ly.gate_up[:, d_ff:]
+        ly.ffn_down = self.held.hold(ly.ffn_down.to(f32))
+        ly.attn_norm, ly.ffn_norm = ly.attn_norm.to(f32), ly.ffn_norm.to(f32)
+        if ly.attention is not None:
+            ly.attention.hold(self.held)
+        else:
+            assert ly.conv is not None and ly.conv_in is not None and ly.conv_out is not None
+            ly.conv = ly.conv.to(f32).contiguous()
+            ly.conv_in, ly.conv_out = self.held.hold(ly.conv_in.to(f32)), self.held.hold(ly.conv_out.to(f32))
+        return ly
 
     def is_recurrent_layer(self, il: int) -> bool:
         return self.config.n_head_kv[il] == 0
@@ -179,28 +154,59 @@ class Lfm2Model:
         attention = self.layers[il].attention
         return rows if attention is None else attention.k_shift(rows, delta)
 
-    def set_compile(self, setting: object) -> bool:
-        return False
+    def set_compile(self, setting: CompileSetting) -> bool:
+        """Whether one-sequence decode steps run compiled (:mod:`rsmem.models.compiled`: ``"auto"``,
+        True/False, ``"1"``/``"0"``; None reads ``RSMEM_COMPILE``); only with float32 ``[out, in]`` rows.
+        Returns the decision."""
+        decided = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
+        self.compile_decode = decided and self._rows_contiguous
+        if self.compile_decode and not hasattr(self, "_conv_one"):
+            self._conv_one = CompiledStep(lfm2_conv_one_, mutated=(8,))
+            self._attn_in = CompiledStep(attn_in_one)
+            self._attn_out = CompiledStep(lfm2_attn_out_one)
+            self._head_one = CompiledStep(head_one)
+        return self.compile_decode
 
     def warm_up(self) -> float:
-        return 0.0
+        """Compile the one-sequence step now on a scratch memory; the seconds it took (0: not compiling)."""
+        if not self.compile_decode:
+            return 0.0
+        from rsmem.batch.batch import Batch  # here: rsmem.context imports the models package
+        from rsmem.context import Context
+
+        started = time.perf_counter()
+        Context(self, n_ctx=256).decode(Batch([1]))
+        return time.perf_counter() - started
+
+    def rope(self, ubatch: UBatch) -> RopeTables | None:
+        """The micro-batch's RoPE tables (every attention layer has the same)."""
+        first = next((ly.attention for ly in self.layers if ly.attention is not None), None)
+        return None if first is None else first.rope_for(ubatch)
 
     def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         """Logits of the micro-batch's output tokens; ``states`` must be a hybrid memory's context."""
         hybrid = cast(HybridStates, states)  # RecurrentModel's signature; attention needs HybridStates
         cfg = self.config
         tokens = ubatch.token_tensor()  # [Bs, L]
-        n_seqs = tokens.shape[0]
+        n_seqs, n_tokens = tokens.shape
+        if self.compile_decode and n_seqs == 1 and n_tokens == 1:
+            logits = self._decode_one(tokens[0], ubatch, hybrid)
+            if logits is not None:
+                return logits
+        rope = self.rope(ubatch)
+        linear = self.held.linear
         x = self.embedding[tokens]  # [Bs, L, d_model]
         for il, ly in enumerate(self.layers):
             h = rms_norm(x, ly.attn_norm, cfg.eps)
             if ly.attention is not None:
-                x = x + ly.attention.forward(il, h, ubatch, hybrid, cfg.eps)
+                x = x + ly.attention.forward(il, h, ubatch, hybrid, cfg.eps, rope)
             else:
                 x = x + self.short_conv(il, ly, h, hybrid, n_seqs)
-            x = x + swiglu(rms_norm(x, ly.ffn_norm, cfg.eps), ly.ffn_gate, ly.ffn_up, ly.ffn_down)
+            assert ly.gate_up is not None
+            g, u = linear(rms_norm(x, ly.ffn_norm, cfg.eps), ly.gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(g) * u, ly.ffn_down)
         x = output_rows(x, ubatch.output_rows())
-        return F.linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head)
+        return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head)
 
     def short_conv(
         self, il: int, ly: Lfm2Layer, h: torch.Tensor, states: HybridStates, n_seqs: int
@@ -209,7 +215,42 @@ class Lfm2Model:
         r, s = states.read_states(il)
         window = r.view(n_seqs, self.config.d_model, self.config.l_cache - 1)
         work = window if window.dtype == torch.float32 else window.float()
-        b, c, xx = F.linear(h, ly.conv_in).chunk(3, dim=-1)
+        b, c, xx = self.held.linear(h, ly.conv_in).chunk(3, dim=-1)
         y = c * causal_conv1d_(b * xx, work, ly.conv, None)
         states.write_states(il, work, s)
-        return F.linear(y, ly.conv_out)
+        return self.held.linear(y, ly.conv_out)
+
+    def _decode_one(self, token: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
+        """One token of one sequence, each layer one compiled call (attention's KV part eager); None
+        (nothing read) when the state rows are not float32."""
+        cfg = self.config
+        rows = {il: states.read_states(il) for il in range(self.n_layer) if self.is_recurrent_layer(il)}
+        if any(r.dtype != torch.float32 for r, _ in rows.values()):
+            return None  # decoded eagerly: reading the rows again is harmless
+        rope = self.rope(ubatch)
+        cos, sin = rope if rope is not None else (None, None)
+        x = self.embedding[token]  # [1, d_model]
+        for il, ly in enumerate(self.layers):
+            att = ly.attention
+            assert ly.gate_up is not None
+            if att is not None:
+                assert att.wqkv_t is not None and att.wo_t is not None
+                q, k, v = self._attn_in(
+                    x, ly.attn_norm, out_in(att.wqkv_t), att.q_norm, att.k_norm, cos, sin, att.n_head,
+                    att.n_head_kv, cfg.eps,
+                )  # fmt: skip
+                o = states.attention(il, q, k, v, att.scale, ubatch)
+                x = self._attn_out(
+                    x, o, out_in(att.wo_t), ly.ffn_norm, out_in(ly.gate_up), out_in(ly.ffn_down), cfg.eps
+                )
+                continue
+            assert ly.conv is not None and ly.conv_in is not None and ly.conv_out is not None
+            r, s = rows[il]
+            window = r.view(1, cfg.d_model, cfg.l_cache - 1)
+            x = self._conv_one(
+                x, ly.attn_norm, out_in(ly.conv_in), ly.conv, out_in(ly.conv_out), ly.ffn_norm,
+                out_in(ly.gate_up), out_in(ly.ffn_down), window, cfg.eps,
+            )  # fmt: skip
+            states.write_states(il, window, s)
+        logits = self._head_one(x, self.norm_f, out_in(self.lm_head), cfg.eps)
+        return logits[: len(ubatch.output_rows())]

@@ -3,12 +3,18 @@
 Every layer is ``x += block(rms_norm(x))`` with one of three blocks: a Mamba-2 mixer (its conv window and
 SSM state in the recurrent memory, llama.cpp's Mamba-2 rows), grouped-query attention without RoPE (keys
 and values in the KV cache; the GGUF's q/k rows carry LLaMA's permutation, which leaves attention
-unchanged), or a squared-ReLU MLP (no memory at all). Then RMS norm and the LM head. Eager float32, with
-Mamba-2's kernels from :mod:`rsmem.models.ops`.
+unchanged), or a squared-ReLU MLP (no memory at all). Then RMS norm and the LM head. Mamba-2's kernels
+from :mod:`rsmem.models.ops`.
+
+Matrices are held as :mod:`rsmem.models.hybrid_layers` says (oneDNN twins). When the model compiles, a
+one-sequence decode step runs each layer as one compiled call (Mamba-2's block from
+:mod:`rsmem.models.ops.fused`, the others from :mod:`rsmem.models.ops.hybrid_fused`), and several sequences
+run the Mamba-2 mixer between its packed products compiled, as Mamba-2 does.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -17,9 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
-from rsmem.models.lfm2 import Attention, HybridStates
+from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
+from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
+from rsmem.models.ops.fused import head_one, mamba2_layer_one_, mamba2_mixer_step_
+from rsmem.models.ops.hybrid_fused import attn_in_one, attn_out_one, relu2_mlp_one
 from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
 from rsmem.models.ops.ssd import ssd_chunked_
 from rsmem.models.protocol import StateAccess
@@ -96,12 +105,22 @@ class NemotronHWeights:
 
 
 class NemotronHModel:
-    """A Nemotron-H language model for a :class:`~rsmem.memory.hybrid.HybridMemory` (float32, eager)."""
+    """A Nemotron-H language model for a :class:`~rsmem.memory.hybrid.HybridMemory`. After construction
+    the layers' matrices are the ``[in, out]`` tensors of
+    :class:`~rsmem.models.hybrid_layers.HeldMatrices`."""
 
     arch = "nemotron_h"
-    compile_decode = False
 
-    def __init__(self, config: NemotronHConfig, weights: NemotronHWeights) -> None:
+    def __init__(
+        self,
+        config: NemotronHConfig,
+        weights: NemotronHWeights,
+        *,
+        dtype: torch.dtype = torch.float32,
+        compile: CompileSetting = None,
+    ) -> None:
+        """``dtype``: the matrices' and the head's (float32 or bfloat16; the rest is float32);
+        ``compile``: see :meth:`set_compile`."""
         cfg = config
         self.config = cfg
         self.n_vocab = cfg.n_vocab
@@ -109,15 +128,41 @@ class NemotronHModel:
         self.n_embd_r = (cfg.d_conv - 1) * cfg.conv_dim
         self.n_embd_s = cfg.d_state * cfg.d_inner
         self.tokenizer: Tokenizer | None = None
+        self.held = HeldMatrices(dtype)
         self.embedding = weights.embedding.float().contiguous()
         self.norm_f = weights.norm_f.float()
-        self.lm_head = weights.lm_head.float().contiguous()
+        tied = weights.lm_head is weights.embedding
+        self.lm_head = self.held.hold(self.embedding if tied else weights.lm_head)  # [in, out]
         self.layers = weights.layers
+        matrices = [self.lm_head]
+        for ly in self.layers:
+            matrices += self._hold_layer(ly)
         self.kv_layers: Mapping[int, tuple[int, int]] = {
             il: (n * cfg.head_dim, n * cfg.head_dim)
             for il, n in enumerate(cfg.n_head_kv)
             if cfg.kinds[il] == ATTENTION
         }
+        self._n_matrix_weights = sum(m.numel() for m in matrices)
+        # the one-sequence compiled blocks stream [out, in] rows: float32 matrices held as views of them
+        self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
+        self.compile_decode = False
+        self.set_compile(compile)
+
+    def _hold_layer(self, ly: NemotronHLayer) -> list[torch.Tensor]:
+        """Hold the layer's matrices (in place); returns them."""
+        ly.norm = ly.norm.float()
+        if ly.mixer is not None:
+            mx = ly.mixer
+            mx.in_proj, mx.out_proj = self.held.hold(mx.in_proj.float()), self.held.hold(mx.out_proj.float())
+            mx.conv_weight = mx.conv_weight.float().contiguous()
+            return [mx.in_proj, mx.out_proj]
+        if ly.attention is not None:
+            ly.attention.hold(self.held)
+            assert ly.attention.wqkv_t is not None and ly.attention.wo_t is not None
+            return [ly.attention.wqkv_t, ly.attention.wo_t]
+        assert ly.ffn_up is not None and ly.ffn_down is not None
+        ly.ffn_up, ly.ffn_down = self.held.hold(ly.ffn_up.float()), self.held.hold(ly.ffn_down.float())
+        return [ly.ffn_up, ly.ffn_down]
 
     def is_recurrent_layer(self, il: int) -> bool:
         return self.config.kinds[il] == MAMBA
@@ -125,17 +170,43 @@ class NemotronHModel:
     def k_shift(self, il: int, rows: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return rows  # no RoPE: keys do not depend on positions
 
-    def set_compile(self, setting: object) -> bool:
-        return False
+    def set_compile(self, setting: CompileSetting) -> bool:
+        """Whether decode steps run compiled (:mod:`rsmem.models.compiled`: ``"auto"``, True/False,
+        ``"1"``/``"0"``; None reads ``RSMEM_COMPILE``); only with float32 ``[out, in]`` rows. Returns the
+        decision."""
+        decided = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
+        self.compile_decode = decided and self._rows_contiguous
+        if self.compile_decode and not hasattr(self, "_mamba_one"):
+            self._mamba_one = CompiledStep(mamba2_layer_one_, mutated=(10, 11))
+            self._mixer_step = CompiledStep(mamba2_mixer_step_, batch_args=(0, 1, 8), mutated=(1, 8))
+            self._mlp_one = CompiledStep(relu2_mlp_one)
+            self._attn_in = CompiledStep(attn_in_one)
+            self._attn_out = CompiledStep(attn_out_one)
+            self._head_one = CompiledStep(head_one)
+        return self.compile_decode
 
     def warm_up(self) -> float:
-        return 0.0
+        """Compile the decode steps now on a scratch memory; the seconds it took (0: not compiling)."""
+        if not self.compile_decode:
+            return 0.0
+        from rsmem.batch.batch import Batch  # here: rsmem.context imports the models package
+        from rsmem.context import Context
+
+        started = time.perf_counter()
+        Context(self, n_ctx=256).decode(Batch([1]))
+        Context(self, n_seq_max=2, n_ctx=512).decode(Batch([1, 1], seq_ids=[[0], [1]]))
+        return time.perf_counter() - started
 
     def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         """Logits of the micro-batch's output tokens; ``states`` must be a hybrid memory's context."""
         hybrid = cast(HybridStates, states)  # RecurrentModel's signature; attention needs HybridStates
         cfg = self.config
         tokens = ubatch.token_tensor()  # [Bs, L]
+        if self.compile_decode and tokens.shape[1] == 1:
+            logits = self._decode(tokens[:, 0], ubatch, hybrid)
+            if logits is not None:
+                return logits
+        linear = self.held.linear
         x = self.embedding[tokens]
         for il, ly in enumerate(self.layers):
             h = rms_norm(x, ly.norm, cfg.eps)
@@ -145,9 +216,9 @@ class NemotronHModel:
                 x = x + ly.attention.forward(il, h, ubatch, hybrid, cfg.eps)
             else:
                 assert ly.ffn_up is not None and ly.ffn_down is not None
-                x = x + F.linear(torch.relu(F.linear(h, ly.ffn_up)).square(), ly.ffn_down)
+                x = x + linear(torch.relu(linear(h, ly.ffn_up)).square(), ly.ffn_down)
         x = output_rows(x, ubatch.output_rows())
-        return F.linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head)
+        return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head)
 
     def mamba2(self, il: int, mx: Mamba2Mixer, u: torch.Tensor, states: HybridStates) -> torch.Tensor:
         """Mamba-2's SSD block over ``u`` ``[Bs, L, d_model]`` from the layer's states, which it updates."""
@@ -156,7 +227,8 @@ class NemotronHModel:
         r, s = states.read_states(il)
         window = r.view(n_seqs, cfg.conv_dim, cfg.d_conv - 1).float()
         h = s.view(n_seqs, cfg.n_ssm_head, cfg.ssm_head_dim, cfg.d_state).float()
-        z, xbc, dt = F.linear(u, mx.in_proj).split([cfg.d_inner, cfg.conv_dim, cfg.n_ssm_head], dim=-1)
+        zxbcdt = self.held.linear(u, mx.in_proj)
+        z, xbc, dt = zxbcdt.split([cfg.d_inner, cfg.conv_dim, cfg.n_ssm_head], dim=-1)
         xbc = F.silu(causal_conv1d_(xbc, window, mx.conv_weight, mx.conv_bias))
         gn = cfg.n_group * cfg.d_state
         x, B, C = xbc.split([cfg.d_inner, gn, gn], dim=-1)
@@ -174,4 +246,60 @@ class NemotronHModel:
         y = gated_group_rms_norm(
             y.reshape(n_seqs, n_tokens, cfg.d_inner), z, mx.ssm_norm, cfg.n_group, cfg.eps
         )
-        return F.linear(y, mx.out_proj)
+        return self.held.linear(y, mx.out_proj)
+
+    def _decode(self, tokens: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
+        """One token of each sequence (``tokens`` ``[Bs]``): one sequence runs each layer as one compiled
+        call, several run the packed products eagerly and the Mamba-2 mixer compiled; attention's KV part
+        is eager. None (nothing read) when the state rows are not float32."""
+        cfg = self.config
+        rows = {il: states.read_states(il) for il in range(self.n_layer) if self.is_recurrent_layer(il)}
+        if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows.values()):
+            return None  # decoded eagerly: reading the rows again is harmless
+        n_seqs = tokens.shape[0]
+        one = n_seqs == 1
+        linear = self.held.linear
+        x = self.embedding[tokens]  # [Bs, d_model]
+        for il, ly in enumerate(self.layers):
+            if ly.mixer is not None:
+                mx = ly.mixer
+                r, s = rows[il]
+                window = r.view(n_seqs, cfg.conv_dim, cfg.d_conv - 1)
+                h = s.view(n_seqs, cfg.n_ssm_head, cfg.ssm_head_dim, cfg.d_state)
+                if one:
+                    x = self._mamba_one(
+                        x, ly.norm, mx.in_proj.t(), mx.conv_weight, mx.conv_bias, mx.dt_bias, mx.A, mx.D,
+                        mx.ssm_norm, mx.out_proj.t(), window, h, cfg.n_group, cfg.eps,
+                    )  # fmt: skip
+                else:
+                    zxbcdt = linear(rms_norm(x, ly.norm, cfg.eps), mx.in_proj)
+                    y = self._mixer_step(
+                        zxbcdt, window, mx.conv_weight, mx.conv_bias, mx.dt_bias, mx.A, mx.D, mx.ssm_norm, h,
+                        cfg.n_group, cfg.eps,
+                    )  # fmt: skip
+                    x = x + linear(y, mx.out_proj)
+                states.write_states(il, window, h)
+            elif ly.attention is not None:
+                att = ly.attention
+                assert att.wqkv_t is not None and att.wo_t is not None
+                if one:
+                    q, k, v = self._attn_in(
+                        x, ly.norm, att.wqkv_t.t(), None, None, None, None, att.n_head, att.n_head_kv, cfg.eps
+                    )
+                    o = states.attention(il, q, k, v, att.scale, ubatch)
+                    x = self._attn_out(x, o, att.wo_t.t())
+                else:
+                    q, k, v = att.qkv(rms_norm(x, ly.norm, cfg.eps), None, cfg.eps)
+                    x = x + linear(states.attention(il, q, k, v, att.scale, ubatch), att.wo_t)
+            else:
+                assert ly.ffn_up is not None and ly.ffn_down is not None
+                if one:
+                    x = self._mlp_one(x, ly.norm, ly.ffn_up.t(), ly.ffn_down.t(), cfg.eps)
+                else:
+                    h = rms_norm(x, ly.norm, cfg.eps)
+                    x = x + linear(torch.relu(linear(h, ly.ffn_up)).square(), ly.ffn_down)
+        if one:
+            logits = self._head_one(x, self.norm_f, self.lm_head.t(), cfg.eps)
+            return logits[: len(ubatch.output_rows())]
+        x = output_rows(x, ubatch.output_rows())
+        return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head)

@@ -1,0 +1,62 @@
+"""The hybrids' compiled decode steps (models/ops/hybrid_fused.py through models/compiled.py) give the
+eager path's logits and states: one sequence (each layer one compiled call, attention's KV part eager) and
+several (Nemotron-H's Mamba-2 mixer between packed products), after a prompt, with a fork."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import rsmem
+from rsmem.models import compiled
+from rsmem.models.compiled import CompiledStep
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
+needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
+
+
+def _run(model, compile_decode: bool) -> list[torch.Tensor]:
+    """Prefill two sequences, fork one, decode one sequence alone then three together."""
+    model.set_compile(compile_decode)
+    ctx = rsmem.Context(model, n_seq_max=4, n_ctx=1024)
+    out = []
+    ctx.decode(rsmem.Batch(list(range(1, 21)) + list(range(40, 45)), seq_ids=[[0]] * 20 + [[1]] * 5))
+    ctx.memory.seq_cp(1, 2, -1, -1)
+    for k in range(4):
+        ctx.decode(rsmem.Batch([7 + k], seq_ids=[[0]]))
+        out.append(ctx.logits.clone())
+    for k in range(3):
+        ctx.decode(rsmem.Batch([11 + k, 20 + k, 30 + k], seq_ids=[[0], [1], [2]], logits=[True] * 3))
+        out.append(ctx.logits.clone())
+    ctx.decode(rsmem.Batch([3], seq_ids=[[2]], logits=[False]))  # no output row
+    out.append(ctx.logits.clone())
+    ctx.decode(rsmem.Batch([5, 6], seq_ids=[[2], [1]], logits=[True] * 2))  # after the states moved
+    out.append(ctx.logits.clone())
+    return out
+
+
+@needs_cxx
+@pytest.mark.parametrize("arch", ["lfm2", "nemotron_h"])
+def test_compiled_decode_matches_eager(arch: str) -> None:
+    model = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=False)
+    eager = _run(model, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a compile failure would fall back silently
+        got = _run(model, True)
+    assert model.compile_decode
+    steps = [v for v in vars(model).values() if isinstance(v, CompiledStep)]
+    assert steps and all(s.failed is None for s in steps)
+    assert any(s._checked for s in steps)
+    assert [t.shape for t in got] == [t.shape for t in eager]
+    assert got[-2].shape[0] == 0  # the step without an output row gives none
+    for a, b in zip(got, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+def test_auto_policy_leaves_tiny_hybrids_eager() -> None:
+    model = rsmem.load_model(FIXTURES / "lfm2" / "model-f32.gguf", compile="auto")
+    assert not model.compile_decode
+    assert model.warm_up() == 0.0
