@@ -4,6 +4,7 @@ decode eagerly."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,42 @@ def test_compiled_step_matches_eager(arch: str) -> None:
         ctx.decode(Batch(PROMPT))
         ctx.decode(Batch([5]))
     torch.testing.assert_close(halves[1].get_logits(-1), halves[0].get_logits(-1), rtol=0, atol=0)
+
+
+def state_rows(blob: bytes, n_embd: int = 128, head_size: int = 64, n_layer: int = 2) -> list[torch.Tensor]:
+    """The float32 rows of a one-sequence state blob (r rows of every layer, then s rows)."""
+    rows, offset = [], 28
+    for row_bytes in [2 * n_embd * 4] * n_layer + [n_embd * head_size * 4] * n_layer:
+        data = bytearray(blob[offset + 12 : offset + 12 + row_bytes])
+        rows.append(torch.frombuffer(data, dtype=torch.float32))
+        offset += 12 + row_bytes
+    assert offset == len(blob)
+    return rows
+
+
+@pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")
+def test_compiled_batched_rwkv7_decode_matches_eager() -> None:
+    """Several sequences (the packed products eagerly, the glue compiled with a dynamic batch): logits and
+    state rows as the eager path, at two batch sizes, with only some sequences asking for logits."""
+    eager = rsmem.load_model(FIXTURES / "rwkv7" / "model-f32.gguf", compile=False)
+    compiled = rsmem.load_model(FIXTURES / "rwkv7" / "model-f32.gguf", compile=True)
+    contexts = [Context(m, n_seq_max=5) for m in (eager, compiled)]
+    prompts = [[t + s for t in PROMPT] for s in range(5)]  # different per sequence, so the rows differ
+    for ctx in contexts:
+        ctx.decode(Batch([t for p in prompts for t in p], seq_ids=[[s] for s in range(5) for _ in PROMPT]))
+    for step, n in enumerate((5, 3, 5)):
+        toks = [(17 * s + 31 * step) % 299 + 1 for s in range(n)]
+        wanted = [s % 2 == 0 for s in range(n)]
+        outs = []
+        for ctx in contexts:
+            with warnings.catch_warnings():  # a compile that fails warns and decodes eagerly: not here
+                warnings.simplefilter("error", RuntimeWarning)
+                ctx.decode(Batch(toks, seq_ids=[[s] for s in range(n)], logits=wanted))
+            outs.append(ctx.logits.clone())
+        assert outs[0].shape[0] == sum(wanted) and outs[0].abs().max() > 0
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
+    for s in range(5):
+        rows = [state_rows(ctx.state_seq_get_data(s)) for ctx in contexts]
+        for a, b in zip(*rows, strict=True):
+            assert a.abs().max() > 0
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)

@@ -26,7 +26,14 @@ from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_step_
-from rsmem.models.ops.wkv_fused import N_PER_LAYER, RWKV7_FIELDS, rwkv7_token_one_
+from rsmem.models.ops.wkv_fused import (
+    N_PER_LAYER,
+    RWKV7_FIELDS,
+    rwkv7_ffn_in_,
+    rwkv7_mix_,
+    rwkv7_token_one_,
+    rwkv7_wkv_,
+)
 from rsmem.models.protocol import StateAccess
 
 if TYPE_CHECKING:
@@ -202,6 +209,10 @@ class Rwkv7Model:
             self._token_one = CompiledStep(
                 rwkv7_token_one_, mutated=lambda i: i >= 8 and (i - 8) % N_PER_LAYER >= N_PER_LAYER - 2
             )
+            # several sequences: the glue between the packed products (see _decode_batch)
+            self._mix = CompiledStep(rwkv7_mix_, batch_args=(0, 1, 2), mutated=(2,))
+            self._wkv = CompiledStep(rwkv7_wkv_, batch_args=tuple(range(9)), mutated=(8,))
+            self._ffn_in = CompiledStep(rwkv7_ffn_in_, batch_args=(0, 1, 2), mutated=(2,))
         return self.compile_decode
 
     def warm_up(self) -> float:
@@ -222,8 +233,11 @@ class Rwkv7Model:
         tokens = ubatch.token_tensor()  # [Bs, L]
         n_seqs = tokens.shape[0]
         c = cfg.d_model
-        if self.compile_decode and tokens.numel() == 1:
-            logits = self._decode_one(tokens[0], states)
+        if self.compile_decode and tokens.shape[1] == 1:
+            if n_seqs == 1:
+                logits = self._decode_one(tokens[0], states)
+            else:
+                logits = self._decode_batch(tokens[:, 0], ubatch, states)
             if logits is not None:
                 return logits[: len(ubatch.output_rows())]
         x = F.layer_norm(self.embedding[tokens], (c,), self.emb_norm, self.emb_norm_b, cfg.eps)
@@ -266,6 +280,42 @@ class Rwkv7Model:
         for il in range(self.n_layer):
             states.write_states(il, flat[(il + 1) * N_PER_LAYER - 2], flat[(il + 1) * N_PER_LAYER - 1])
         return logits
+
+    def _decode_batch(self, tokens: torch.Tensor, ubatch: UBatch, states: StateAccess) -> torch.Tensor | None:
+        """One token of each of several sequences (``tokens`` ``[Bs]``): the packed products eagerly, the
+        rest through the compiled glue of :mod:`~rsmem.models.ops.wkv_fused`; None (nothing read) when the
+        state rows are not float32."""
+        cfg = self.config
+        rows = [states.read_states(il) for il in range(self.n_layer)]
+        if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows):
+            return None
+        n_seqs, c = tokens.shape[0], cfg.d_model
+        x = F.layer_norm(self.embedding[tokens], (c,), self.emb_norm, self.emb_norm_b, cfg.eps)
+        ffn_out = torch.zeros_like(x)
+        v_first: torch.Tensor | None = None
+        linear = self.held.linear
+        for il, (ly, (r_rows, s_rows)) in enumerate(zip(self.layers, rows, strict=True)):
+            shift = r_rows.view(n_seqs, 2, c)
+            wkv = s_rows.view(n_seqs, cfg.n_head, cfg.head_size, cfg.head_size)
+            x, xr, xw, xk, xv, xa, xg = self._mix(
+                x, ffn_out, shift, ly.attn_norm, ly.attn_norm_b, ly.lerp, cfg.eps
+            )
+            r, k, v = linear(xr, ly.receptance), linear(xk, ly.key), linear(xv, ly.value)
+            if v_first is None:  # the first layer: its own values make the value-residual mix exactly v
+                v_first = v
+            v0, v1, v2 = (ly.a0, ly.a1, ly.a2) if ly.v0 is None else (ly.v0, ly.v1, ly.v2)
+            y = self._wkv(
+                xw, xv, xa, xg, r, k, v, v_first, wkv, ly.w0, ly.w1, ly.w2, ly.a0, ly.a1, ly.a2, v0, v1, v2,
+                ly.g1, ly.g2, ly.k_k, ly.k_a, ly.r_k, ly.ln_x, ly.ln_x_b,
+            )  # fmt: skip
+            x, xk = self._ffn_in(
+                x, linear(y, ly.output), shift, ly.ffn_norm, ly.ffn_norm_b, ly.ffn_lerp_k, cfg.eps
+            )
+            kf = linear(xk, ly.ffn_key)
+            ffn_out = linear(torch.relu_(kf).square_(), ly.ffn_value)
+            states.write_states(il, shift, wkv)
+        x = output_rows(x + ffn_out, ubatch.output_rows())
+        return linear(F.layer_norm(x, (c,), self.norm_f, self.norm_f_b, cfg.eps), self.lm_head)
 
     def time_mix(
         self,
