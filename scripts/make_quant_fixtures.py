@@ -1,12 +1,13 @@
 """Make tests/fixtures/quantize/: what llama.cpp's own quantizer writes for tiny f32 Mamba and Mamba-2 files.
 
 The f32 sources come from ``tests/quantize/quant_tiny_models.py`` (integer arithmetic, no RNG, so a test
-rebuilds them byte for byte; their sha256 is recorded). Each source is quantized to every type by llama.cpp
-(``llama_cpp.llama_model_quantize``, default parameters, run by ``--llama-python``, a venv holding
-llama-cpp-python), and so are three requantizations (a quantized or f16/bf16 file as the input, as
-llama.cpp's ``--allow-requantize`` does). ``llamacpp.json`` records, per output file, its size and sha256
-and per tensor its type, ggml shape and the sha256 of its bytes; ``--keep T,...`` copies llama.cpp's files
-of those types too (``{arch}-{type}.gguf``).
+rebuilds them byte for byte; their sha256 is recorded). Each source is quantized to every preset by
+llama.cpp (``llama_cpp.llama_model_quantize``, default parameters, run by ``--llama-python``, a venv
+holding llama-cpp-python), and so are the f32 hybrid and RWKV fixtures already in the repository, and six
+requantizations (a quantized or f16/bf16 file as the input, as llama.cpp's ``--allow-requantize`` does).
+``llamacpp.json`` records the sources' sha256 and, per output file, its size and sha256 and per tensor
+its type and the sha256 of its bytes (16 hex digits); three of llama.cpp's files are kept whole
+(``llamacpp-{source}-{type}.gguf``).
 
     .venv/bin/python scripts/make_quant_fixtures.py --llama-python /tmp/llvenv/bin/python
 """
@@ -14,7 +15,6 @@ of those types too (``{arch}-{type}.gguf``).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import subprocess
@@ -27,6 +27,7 @@ import gguf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "quantize"))
 import quant_tiny_models  # noqa: E402
+from quant_tiny_models import describe, sha256  # noqa: E402
 
 OUT = ROOT / "tests" / "fixtures" / "quantize"
 LFT = gguf.LlamaFileType
@@ -49,8 +50,25 @@ FTYPES = {
     "q5_k_m": LFT.MOSTLY_Q5_K_M,
     "q6_k": LFT.MOSTLY_Q6_K,
 }
-# (arch, input type, output type): llama.cpp reads a quantized or 16-bit file and quantizes again
-REQUANT = [("mamba2", "q8_0", "q4_k_m"), ("mamba", "f16", "q5_k_m"), ("mamba2", "bf16", "q4_0")]
+# f32 files already in the repository (hybrids and RWKV: attn_v/ffn_down layers, 64-wide rows that fall back)
+REPO_SOURCES = {
+    "lfm2": "tests/fixtures/llamacpp/lfm2/model-f32.gguf",
+    "nemotron_h": "tests/fixtures/llamacpp/nemotron_h/model-f32.gguf",
+    "rwkv6": "tests/fixtures/llamacpp/rwkv/rwkv6/model-f32.gguf",
+    "rwkv7": "tests/fixtures/llamacpp/rwkv/rwkv7/model-f32.gguf",
+}
+# requantization (llama.cpp's --allow-requantize): (source, type); a source "tiny-A@T" is llama.cpp's
+# output of type T for the tiny model A (a test rebuilds it with rsmem quantize, which writes the same bytes)
+REQUANT = [
+    ("tiny-mamba2@q8_0", "q4_k_m"),
+    ("tiny-mamba@f16", "q5_k_m"),
+    ("tiny-mamba2@bf16", "q4_0"),
+    ("tests/fixtures/llamacpp/quant/mamba2/model-q4_k_m.gguf", "q6_k"),
+    ("tests/fixtures/llamacpp/quant/mamba/model-q6_k.gguf", "q4_k_s"),
+    ("tests/fixtures/llamacpp/mamba/model-q8_0.gguf", "q5_k_m"),
+]
+# llama.cpp's files kept whole (the test compares them byte for byte, not only by hash)
+KEEP = [("tiny-mamba2", "q4_k_m"), ("tiny-mamba", "q5_k_m"), ("tiny-mamba", "q6_k")]
 
 LLAMA_QUANTIZE = """
 import sys, llama_cpp
@@ -61,27 +79,6 @@ p.allow_requantize = True
 rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), p)
 sys.exit(rc)
 """
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def describe(path: Path) -> dict[str, object]:
-    """The file's size and sha256, and per tensor its type, ggml shape and the sha256 of its bytes."""
-    reader = gguf.GGUFReader(path)
-    return {
-        "size": path.stat().st_size,
-        "sha256": sha256(path.read_bytes()),
-        "tensors": {
-            t.name: {
-                "type": t.tensor_type.name,
-                "shape": [int(d) for d in t.shape],
-                "sha256": sha256(t.data.tobytes()),
-            }
-            for t in reader.tensors
-        },
-    }
 
 
 def llama_quantize(llama_python: str, src: Path, dst: Path, ftype: int) -> None:
@@ -96,9 +93,7 @@ def llama_quantize(llama_python: str, src: Path, dst: Path, ftype: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-python", required=True, help="python of a venv holding llama-cpp-python")
-    ap.add_argument("--keep", default="", help="comma-separated types whose llama.cpp files are copied")
     args = ap.parse_args()
-    keep = [k for k in args.keep.split(",") if k]
     version = subprocess.run(
         [args.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
         check=True,
@@ -106,27 +101,33 @@ def main() -> None:
         text=True,
     ).stdout.strip()
     OUT.mkdir(parents=True, exist_ok=True)
-    record: dict[str, object] = {"llama_cpp_python": version, "sources": {}, "outputs": {}, "requant": {}}
+    sources: dict[str, str] = {}
+    cases: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        paths: dict[str, Path] = {}
         for arch in quant_tiny_models.ARCHS:
-            src = quant_tiny_models.write_model(arch, work / f"{arch}-f32-src.gguf")
-            record["sources"][arch] = sha256(src.read_bytes())  # type: ignore[index]
-            outs: dict[str, object] = {}
-            for name, ftype in FTYPES.items():
-                dst = work / f"{arch}-{name}.gguf"
-                llama_quantize(args.llama_python, src, dst, int(ftype))
-                outs[name] = describe(dst)
-                if name in keep:
-                    shutil.copyfile(dst, OUT / dst.name)
-                print(f"{arch} {name}: {dst.stat().st_size} bytes", flush=True)
-            record["outputs"][arch] = outs  # type: ignore[index]
-        for arch, src_type, dst_type in REQUANT:
-            dst = work / f"{arch}-{src_type}-to-{dst_type}.gguf"
-            llama_quantize(args.llama_python, work / f"{arch}-{src_type}.gguf", dst, int(FTYPES[dst_type]))
-            record["requant"][f"{arch}:{src_type}:{dst_type}"] = describe(dst)  # type: ignore[index]
-            print(f"{arch} {src_type} -> {dst_type}: {dst.stat().st_size} bytes", flush=True)
-    (OUT / "llamacpp.json").write_text(json.dumps(record, indent=1) + "\n")
+            paths[f"tiny-{arch}"] = quant_tiny_models.write_model(arch, work / f"tiny-{arch}.gguf")
+        paths.update({name: ROOT / rel for name, rel in REPO_SOURCES.items()})
+        for name, path in paths.items():
+            sources[name] = sha256(path.read_bytes())
+            for ftype, file_type in FTYPES.items():
+                dst = work / f"{name}@{ftype}.gguf"
+                llama_quantize(args.llama_python, path, dst, int(file_type))
+                cases.append({"source": name, "type": ftype, "output": describe(dst)})
+                if (name, ftype) in KEEP:
+                    shutil.copyfile(dst, OUT / f"llamacpp-{name}-{ftype}.gguf")
+                print(f"{name} -> {ftype}: {dst.stat().st_size} bytes", flush=True)
+        for src, ftype in REQUANT:
+            path = work / f"{src}.gguf" if src.startswith("tiny-") else ROOT / src
+            sources.setdefault(src, sha256(path.read_bytes()))
+            dst = work / "requant.gguf"
+            llama_quantize(args.llama_python, path, dst, int(FTYPES[ftype]))
+            cases.append({"source": src, "type": ftype, "output": describe(dst)})
+            print(f"{src} -> {ftype}: {dst.stat().st_size} bytes", flush=True)
+    lines = ",\n".join(json.dumps(c, separators=(",", ":")) for c in cases)  # one case a line
+    head = json.dumps({"llama_cpp_python": version, "sources": sources}, indent=1)[:-2]
+    (OUT / "llamacpp.json").write_text(f'{head},\n "cases": [\n{lines}\n]}}\n')
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ fallback writes it F16).
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import gguf
@@ -128,3 +129,18 @@ def write_model(arch: str, path: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def describe(path: Path) -> dict[str, object]:
+    """A GGUF file's size and sha256, and per tensor (in file order) its type and the first 16 hex digits of
+    its bytes' sha256: what tests/fixtures/quantize/llamacpp.json records of llama.cpp's files."""
+    reader = gguf.GGUFReader(path)
+    return {
+        "size": path.stat().st_size,
+        "sha256": sha256(path.read_bytes()),
+        "tensors": {t.name: [t.tensor_type.name, sha256(t.data.tobytes())[:16]] for t in reader.tensors},
+    }

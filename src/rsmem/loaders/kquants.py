@@ -1,5 +1,6 @@
-"""K-quant quantizers (Q4_K, Q5_K, Q6_K), written from ggml-quants.c's reference functions
-(``quantize_row_q{4,5,6}_K_ref`` with ``make_qkx2_quants`` / ``make_qx_quants`` / ``nearest_int``), the
+"""K-quant quantizers (Q2_K ... Q6_K), written from ggml-quants.c's reference functions
+(``quantize_row_q{2,3,4,5,6}_K_ref`` with ``make_qkx2_quants`` / ``make_qx_quants`` / ``make_q3_quants`` /
+``nearest_int``), the
 ones llama.cpp's quantizer runs when no importance matrix is given.
 
 Every step is float32 arithmetic in ggml's order, vectorised over blocks: sums that ggml accumulates element
@@ -42,10 +43,14 @@ def _f16_round(x: np.ndarray) -> np.ndarray:
 
 
 def make_qkx2_quants(
-    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ggml's ``make_qkx2_quants`` (use_mad false) over groups ``x`` [n_groups, n] with weights ``w``:
-    returns (scale, the_min, L) with L in [0, nmax]."""
+    """ggml's ``make_qkx2_quants`` over groups ``x`` [n_groups, n] with weights ``w``: returns
+    (scale, the_min, L) with L in [0, nmax]; ``use_mad`` weighs absolute errors instead of squared ones."""
+
+    def err(d: np.ndarray) -> np.ndarray:
+        return np.abs(d) if use_mad else d * d
+
     mn = x.min(axis=1)
     mx = x.max(axis=1)
     sum_w = _seq_sum(w)
@@ -60,7 +65,7 @@ def make_qkx2_quants(
     L = np.clip(_nearest_int(iscale[:, None] * xm), 0, nmax)
     Lf = L.astype(np.float32)
     diff = scale[:, None] * Lf + mn[:, None] - x
-    best_error = _seq_sum(w * (diff * diff))
+    best_error = _seq_sum(w * err(diff))
     for step in range(nstep + 1):
         # ggml's loop reads ``min`` after the steps before it may have moved it
         rng = np.where(flat, F32(1), mx - mn)
@@ -81,7 +86,7 @@ def make_qkx2_quants(
             this_min = np.where(pos, F32(0), this_min)
             this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
             d = this_scale[:, None] * lf + this_min[:, None] - x
-            cur_error = _seq_sum(w * (d * d))
+            cur_error = _seq_sum(w * err(d))
         better = ok & (cur_error < best_error)
         L = np.where(better[:, None], laux, L)
         best_error = np.where(better, cur_error, best_error)
@@ -223,7 +228,116 @@ def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
     )
 
 
+def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's ``make_q3_quants`` with do_rmse over groups ``x`` [n_groups, n]: returns (scale, L) with
+    L in [0, 2*nmax) (0 for an all-zero group). The element-by-element refinement is sequential within a
+    group, so it loops over elements, vectorised over groups; a group whose pass changed nothing would
+    change nothing in the next, so every group runs the 5 passes."""
+    ax = np.abs(x)
+    imax = ax.argmax(axis=1)
+    amax = np.take_along_axis(ax, imax[:, None], axis=1)[:, 0]
+    mx = np.take_along_axis(x, imax[:, None], axis=1)[:, 0]
+    zero = amax < GROUP_MAX_EPS
+    mx = np.where(zero, F32(1), mx)
+    L = np.clip(_nearest_int((F32(-nmax) / mx)[:, None] * x), -nmax, nmax - 1)
+    w = x * x
+    wx = w * x
+    lf = L.astype(np.float32)
+    sumlx = _seq_sum(wx * lf)
+    suml2 = _seq_sum((w * lf) * lf)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for _ in range(5):
+            for i in range(x.shape[1]):
+                li = L[:, i].astype(np.float32)
+                slx = sumlx - wx[:, i] * li
+                sl2 = suml2 - (w[:, i] * li) * li
+                new_l = np.clip(
+                    _nearest_int(np.where(slx > 0, (x[:, i] * sl2) / slx, F32(0))), -nmax, nmax - 1
+                )
+                nf = new_l.astype(np.float32)
+                slx2 = slx + wx[:, i] * nf
+                sl22 = sl2 + (w[:, i] * nf) * nf
+                take = (
+                    (slx > 0)
+                    & (new_l != L[:, i])
+                    & (sl22 > 0)
+                    & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22)
+                )
+                L[:, i] = np.where(take, new_l, L[:, i])
+                sumlx = np.where(take, slx2, sumlx)
+                suml2 = np.where(take, sl22, suml2)
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
+    L = np.where(zero[:, None], 0, L + nmax)
+    return np.where(zero, F32(0), scale).astype(np.float32), L
+
+
+def _pack_2bit(L: np.ndarray) -> np.ndarray:
+    """ggml's 2-bit layout of Q2_K/Q3_K: byte l of each 128-value half holds values l, l+32, l+64, l+96."""
+    nb = L.shape[0]
+    L4 = L.reshape(nb, 2, 4, 32).astype(np.uint8)
+    return (L4[:, :, 0] | (L4[:, :, 1] << 2) | (L4[:, :, 2] << 4) | (L4[:, :, 3] << 6)).reshape(nb, 64)
+
+
+def quantize_q2_k(rows: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1)
+    nb = x.shape[0] // QK_K
+    sub = x.reshape(nb * 16, 16)
+    scales, mins, L = make_qkx2_quants(sub, np.abs(sub), 3, -0.5, 0.1, 15, use_mad=True)
+    scales = scales.reshape(nb, 16)
+    mins = mins.reshape(nb, 16)
+    max_scale = np.maximum(scales.max(axis=1), F32(0))
+    max_min = np.maximum(mins.max(axis=1), F32(0))
+    q4 = F32(15)
+    has_s, has_m = max_scale > 0, max_min > 0
+    ls = np.where(
+        has_s[:, None], _nearest_int((q4 / np.where(has_s, max_scale, F32(1)))[:, None] * scales), 0
+    )
+    lm = np.where(has_m[:, None], _nearest_int((q4 / np.where(has_m, max_min, F32(1)))[:, None] * mins), 0)
+    packed = ((ls & 0xFF) | (lm << 4)) & 0xFF  # ggml stores l into a uint8, then ors the min's bits above
+    d16 = np.where(has_s, _f16_round(max_scale / q4), F32(0))
+    dmin16 = np.where(has_m, _f16_round(max_min / q4), F32(0))
+    d = (d16[:, None] * (packed & 0xF).astype(np.float32)).reshape(-1)
+    dm = (dmin16[:, None] * (packed >> 4).astype(np.float32)).reshape(-1)
+    keep = d == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        l2 = np.clip(_nearest_int((sub + dm[:, None]) / np.where(keep, F32(1), d)[:, None]), 0, 3)
+    L = np.where(keep[:, None], L, l2).reshape(nb, QK_K)
+    return np.concatenate(
+        [packed.astype(np.uint8), _pack_2bit(L), _f16_bytes(d16), _f16_bytes(dmin16)], axis=1
+    )
+
+
+def quantize_q3_k(rows: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1)
+    nb = x.shape[0] // QK_K
+    sub = x.reshape(nb * 16, 16)
+    scales, L = make_q3_quants(sub, 4)
+    scales = scales.reshape(nb, 16)
+    ia = np.abs(scales).argmax(axis=1)
+    max_scale = np.take_along_axis(scales, ia[:, None], axis=1)[:, 0]
+    has = max_scale != 0
+    with np.errstate(divide="ignore"):
+        iscale = F32(-32) / np.where(has, max_scale, F32(1))
+    lq = np.where(has[:, None], np.clip(_nearest_int(iscale[:, None] * scales), -32, 31) + 32, 0)
+    sc = np.zeros((nb, 12), np.uint8)
+    low = (lq & 0xF).astype(np.uint8)
+    sc[:, 0:8] = low[:, 0:8] | (low[:, 8:16] << 4)
+    high = (lq >> 4).astype(np.uint8).reshape(nb, 4, 4)  # [j // 4, j % 4]
+    sc[:, 8:12] = high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)
+    d16 = np.where(has, _f16_round(F32(1) / iscale), F32(0))
+    d = (d16[:, None] * (lq - 32).astype(np.float32)).reshape(-1)
+    keep = d == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        l2 = np.clip(_nearest_int(sub / np.where(keep, F32(1), d)[:, None]), -4, 3) + 4
+    L = np.where(keep[:, None], L, l2).reshape(nb, QK_K)
+    hi = (L > 3).astype(np.uint8).reshape(nb, 8, 32)  # bit j // 32 of hmask byte j % 32
+    hmask = (hi << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+    return np.concatenate([hmask, _pack_2bit(L - 4 * (L > 3)), sc, _f16_bytes(d16)], axis=1)
+
+
 QUANTIZERS: dict[gguf.GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
+    Q.Q2_K: quantize_q2_k,
+    Q.Q3_K: quantize_q3_k,
     Q.Q4_K: quantize_q4_k,
     Q.Q5_K: quantize_q5_k,
     Q.Q6_K: quantize_q6_k,

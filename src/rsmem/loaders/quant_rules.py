@@ -8,10 +8,10 @@
 - For the quantized presets: ``output.weight`` (and ``token_embd.weight`` when the output is tied to it)
   becomes Q6_K unless the preset's type is Q8_0 or its rows do not fit the preset's blocks (then Q8_0);
   the ``_m`` presets give more bits to ``attn_v`` / ``ffn_down`` in the layers llama.cpp's
-  ``use_more_bits`` picks, ``attn_qkv`` gets one more step, ``q4_k_s`` makes the first ``attn_v`` and
-  ``ffn_down`` layers Q5_K.
-- A row that is not a whole number of the chosen type's blocks falls back: Q4_K -> Q5_0, Q5_K -> Q5_1,
-  Q6_K -> Q8_0, and to F16 if that does not fit either.
+  ``use_more_bits`` picks, ``q4_k_s`` makes the first ``attn_v`` and ``ffn_down`` layers Q5_K, and the
+  ``q2_k`` / ``q3_k_*`` presets raise ``attn_v``, ``ffn_down`` and ``attn_output`` one or two steps.
+- A row that is not a whole number of the chosen type's blocks falls back: Q2_K, Q3_K -> Q4_0,
+  Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and to F16 if that does not fit either.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ PRESETS: dict[str, Preset] = {
         Preset("q4_1", LFT.MOSTLY_Q4_1, Q.Q4_1),
         Preset("q5_0", LFT.MOSTLY_Q5_0, Q.Q5_0),
         Preset("q5_1", LFT.MOSTLY_Q5_1, Q.Q5_1),
+        Preset("q2_k", LFT.MOSTLY_Q2_K, Q.Q2_K),
+        Preset("q3_k_s", LFT.MOSTLY_Q3_K_S, Q.Q3_K),
+        Preset("q3_k_m", LFT.MOSTLY_Q3_K_M, Q.Q3_K),
+        Preset("q3_k_l", LFT.MOSTLY_Q3_K_L, Q.Q3_K),
         Preset("q4_k_s", LFT.MOSTLY_Q4_K_S, Q.Q4_K),
         Preset("q4_k_m", LFT.MOSTLY_Q4_K_M, Q.Q4_K),
         Preset("q5_k_s", LFT.MOSTLY_Q5_K_S, Q.Q5_K),
@@ -95,7 +99,7 @@ _CATEGORIES = (
     ("ffn_gate", "ffn_gate"),
     ("ffn_down", "ffn_down"),
 )
-_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 _LAYER = re.compile(r"blk\.\s*([+-]?\d+)")
 
 
@@ -154,20 +158,28 @@ def _use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The hyperparameters the rules read: the block count and layer 0's query heads per KV head (0 when
+    layer 0 has no attention, as llama.cpp's ``n_gqa()``)."""
+
+    n_layer: int
+    n_gqa: int = 0
+
+
 class _Chooser:
     """llama_tensor_get_type_impl's state: the attn_v and ffn_down counters, in the order tensors come."""
 
-    def __init__(self, preset: Preset, tensors: Sequence[TensorSpec], n_layer: int) -> None:
+    def __init__(self, preset: Preset, tensors: Sequence[TensorSpec], info: ModelInfo) -> None:
         self.preset = preset
         cats = [category(t.name) for t in tensors]
         self.tied = "output" not in cats
         self.n_attention_wv = sum(c in ("attn_v", "attn_qkv", "attn_kv_b") for c in cats)
         self.i_attention_wv = 0
-        self.n_layer = n_layer
+        self.info = info
         self.i_ffn_down = 0
 
     def choose(self, t: TensorSpec) -> gguf.GGMLQuantizationType:
-        name = self.preset.name
         new = self.preset.default
         cat = category(t.name)
         if cat == "output" or (self.tied and cat == "token_embd"):
@@ -176,22 +188,43 @@ class _Chooser:
             elif new != Q.Q8_0:
                 new = Q.Q6_K
         elif cat in ("attn_v", "attn_qkv", "attn_kv_b"):  # llama.cpp's attn_qkv branch comes after this one
-            i, n = self.i_attention_wv, self.n_attention_wv
-            if name in ("q4_k_m", "q5_k_m") and _use_more_bits(i, n):
-                new = Q.Q6_K
-            elif name == "q4_k_s" and i < 4:
-                new = Q.Q5_K
+            new = self._attn_v(new)
             self.i_attention_wv += 1
         elif cat == "ffn_down":
-            i, n = self.i_ffn_down, self.n_layer
-            if name == "q4_k_m":
-                if _use_more_bits(i, n):
-                    new = Q.Q6_K
-            elif name == "q5_k_m" and _use_more_bits(i, n):
-                new = Q.Q6_K
-            elif name == "q4_k_s" and i < n // 8:
-                new = Q.Q5_K
+            new = self._ffn_down(new)
             self.i_ffn_down += 1
+        elif cat == "attn_output":
+            new = {"q2_k": Q.Q3_K, "q3_k_m": Q.Q4_K, "q3_k_l": Q.Q5_K}.get(self.preset.name, new)
+        return new
+
+    def _attn_v(self, new: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
+        name, i, n = self.preset.name, self.i_attention_wv, self.n_attention_wv
+        if name == "q2_k":
+            return Q.Q4_K if self.info.n_gqa >= 4 else Q.Q3_K
+        if name == "q3_k_m":
+            return Q.Q5_K if i < 2 else Q.Q4_K
+        if name == "q3_k_l":
+            return Q.Q5_K
+        if name in ("q4_k_m", "q5_k_m") and _use_more_bits(i, n):
+            return Q.Q6_K
+        if name == "q4_k_s" and i < 4:
+            return Q.Q5_K
+        return new
+
+    def _ffn_down(self, new: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
+        name, i, n = self.preset.name, self.i_ffn_down, self.info.n_layer
+        if name == "q2_k":
+            return Q.Q3_K
+        if name == "q3_k_m":  # (Falcon aside) the first sixteenth Q5_K, the rest Q4_K
+            return Q.Q5_K if i < n // 16 else Q.Q4_K
+        if name == "q3_k_l":
+            return Q.Q5_K
+        if name == "q4_k_m":
+            return Q.Q6_K if _use_more_bits(i, n) else new
+        if name == "q5_k_m" and _use_more_bits(i, n):
+            return Q.Q6_K
+        if name == "q4_k_s" and i < n // 8:
+            return Q.Q5_K
         return new
 
 
@@ -203,11 +236,11 @@ def _fallback(t: TensorSpec, qtype: gguf.GGMLQuantizationType) -> gguf.GGMLQuant
 
 
 def target_types(
-    preset: Preset, tensors: Sequence[TensorSpec], n_layer: int
+    preset: Preset, tensors: Sequence[TensorSpec], info: ModelInfo
 ) -> dict[str, gguf.GGMLQuantizationType]:
     """Each tensor's type in the quantized file, by name; ``tensors`` in llama.cpp's order (the counters
-    of the ``_m`` presets follow it) and ``n_layer`` the model's block count."""
-    chooser = _Chooser(preset, tensors, n_layer)
+    of the ``_m`` presets follow it)."""
+    chooser = _Chooser(preset, tensors, info)
     out: dict[str, gguf.GGMLQuantizationType] = {}
     for t in tensors:
         if not allows_quantization(t):

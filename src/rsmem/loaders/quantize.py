@@ -8,7 +8,7 @@ dequantized first, as llama.cpp does with ``--allow-requantize``) and writes a n
 - the tensors in llama.cpp's order (:func:`quant_rules.llama_order`), each typed by llama.cpp's rules
   (:mod:`rsmem.loaders.quant_rules`); a tensor whose type does not change is copied unchanged;
 - the quantizers: gguf-py's for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and BF16 (written from ggml's reference
-  functions), :mod:`rsmem.loaders.kquants` for Q4_K, Q5_K, Q6_K, numpy's for F16.
+  functions), :mod:`rsmem.loaders.kquants` for Q2_K ... Q6_K, numpy's for F16.
 
 The layout (header, tensor table, alignment padding after the table and after every tensor) is ggml's, so
 for an f32 source the file is byte for byte the one llama.cpp writes (tests/quantize/ checks every preset).
@@ -31,6 +31,7 @@ from rsmem.errors import ModelFormatError
 from rsmem.loaders.kquants import QUANTIZERS as K_QUANTIZERS
 from rsmem.loaders.quant_rules import (
     PRESETS,
+    ModelInfo,
     Preset,
     TensorSpec,
     ggml_n_dims,
@@ -102,11 +103,23 @@ def _open(src: Path) -> gguf.GGUFReader:
     return reader
 
 
-def _block_count(reader: gguf.GGUFReader) -> int:
-    arch = reader.fields.get("general.architecture")
-    field = reader.fields.get(f"{arch.contents()}.block_count") if arch is not None else None
-    value = field.contents() if field is not None else 0
-    return int(value) if isinstance(value, int) else 0
+def _model_info(reader: gguf.GGUFReader) -> ModelInfo:
+    """The block count and layer 0's ``head_count / head_count_kv`` (a key may be one number or one per
+    layer; KV heads default to the heads), as llama.cpp's loader reads them."""
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else ""
+
+    def first(key: str) -> int | None:
+        field = reader.fields.get(f"{arch}.{key}")
+        value = field.contents() if field is not None else None
+        if isinstance(value, list):
+            value = value[0] if value else None
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    n_head = first("attention.head_count") or 0
+    n_kv = first("attention.head_count_kv")
+    n_kv = n_head if n_kv is None else n_kv
+    return ModelInfo(n_layer=first("block_count") or 0, n_gqa=n_head // n_kv if n_kv else 0)
 
 
 def _plan(reader: gguf.GGUFReader, p: Preset, src: Path) -> list[_Planned]:
@@ -115,7 +128,7 @@ def _plan(reader: gguf.GGUFReader, p: Preset, src: Path) -> list[_Planned]:
         TensorSpec(name, tuple(int(d) for d in by_name[name].shape), by_name[name].tensor_type)
         for name in llama_order(list(by_name))
     ]
-    types = target_types(p, specs, _block_count(reader))
+    types = target_types(p, specs, _model_info(reader))
     plan = []
     for spec in specs:
         qtype = types[spec.name]
@@ -223,3 +236,18 @@ def _readable() -> frozenset[gguf.GGMLQuantizationType]:
 
 
 _READABLE = _readable()
+
+
+def convert_then_quantize(
+    write_f32: Callable[[Path], object], dst: str | os.PathLike[str], ftype: str
+) -> Path:
+    """For converters: ``write_f32(path)`` writes an f32 GGUF file (to a temporary name beside ``dst``),
+    which is quantized to ``dst`` in the preset ``ftype`` and removed; returns ``dst``."""
+    preset(ftype)  # an unknown type fails before the conversion
+    dst = Path(dst)
+    tmp = dst.with_name(f".{dst.name}.f32.tmp{os.getpid()}")
+    try:
+        write_f32(tmp)
+        return quantize_gguf(tmp, dst, ftype)
+    finally:
+        tmp.unlink(missing_ok=True)
