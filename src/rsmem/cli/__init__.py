@@ -1,4 +1,4 @@
-"""The ``rsmem`` command line: generate, chat, serve, info, convert, bench, demo.
+"""The ``rsmem`` command line: generate, chat, serve, info, convert, quantize, bench, demo.
 
 Every failure the user can cause (a missing model file, a bad option value, invalid input bytes, a
 corrupt state file) ends with one ``rsmem: error: ...`` line on stderr and exit code 1 (2 for usage
@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from rsmem.cli import chat, generate, serve, tools
+from rsmem.cli import chat, generate, quantize, serve, tools
 from rsmem.cli.sampling import FLAG_OF_FIELD
 from rsmem.errors import InvalidRequestError, RsmemError
 
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(sub)
     chat.register(sub)
     tools.register(sub)
+    quantize.register(sub)
     serve.register(sub)
     return parser
 

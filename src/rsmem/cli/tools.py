@@ -15,6 +15,7 @@ from rsmem.cli.inputs import check_output_path
 from rsmem.cli.model import model_path
 from rsmem.cli.run import Progress
 from rsmem.errors import RsmemError
+from rsmem.loaders.quantize import convert_then_quantize, quantize_types
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -27,7 +28,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     conv.add_argument("hf_dir", metavar="source", help="a Hugging Face model folder or an RWKV .pth file")
     conv.add_argument("out")
-    conv.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16")
+    conv.add_argument("--outtype", type=str.lower, choices=quantize_types(), default="f16")
     conv.add_argument(
         "--vocab",
         metavar="FILE",
@@ -194,7 +195,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if blink:
         if vocab is None:
             sys.stderr.write("no --vocab: the GGUF will have no tokenizer\n")
-        convert_blink_to_gguf(src, args.out, outtype=args.outtype, vocab=vocab)
+        if args.outtype in ("f32", "f16", "bf16", "q8_0"):
+            convert_blink_to_gguf(src, args.out, outtype=args.outtype, vocab=vocab)
+        else:  # the other types: an f32 file quantized by rsmem quantize's rules
+            convert_then_quantize(
+                lambda tmp: convert_blink_to_gguf(src, tmp, outtype="f32", vocab=vocab),
+                args.out,
+                args.outtype,
+            )
     else:
         convert_hf_to_gguf(src, args.out, outtype=args.outtype)
     size = Path(args.out).stat().st_size

@@ -14,6 +14,9 @@ import torch
 from rsmem.loaders.checkpoint import Checkpoint, T, tensor_name
 from rsmem.loaders.hf import read_hf
 from rsmem.loaders.hybrid_convert import hybrid_gguf_tensors, write_hybrid_hparams
+from rsmem.loaders.quantize import convert_then_quantize, quantize_types
+from rsmem.loaders.rwkv_convert import convert_rwkv7_hf_to_gguf
+from rsmem.loaders.rwkv_hf import is_rwkv7_folder
 from rsmem.models.mamba import MambaConfig
 
 Q = gguf.GGMLQuantizationType
@@ -33,9 +36,17 @@ F32_KINDS = ("ssm_a", "ssm_d", "ssm_conv1d.weight", "ssm_norm.weight", "shortcon
 def convert_hf_to_gguf(
     hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], outtype: str = "f32"
 ) -> Path:
-    """Convert ``hf_dir`` to a GGUF file at ``out_path`` with matrices in ``outtype``; returns the path."""
+    """Convert ``hf_dir`` to a GGUF file at ``out_path`` with matrices in ``outtype``; returns the path.
+    f32, f16, bf16 and q8_0 are written as llama.cpp's converter writes them; the other types of
+    ``rsmem quantize`` (q4_k_m, ...) by converting to f32 and quantizing that (``loaders/quantize.py``)."""
     if outtype not in OUTTYPES:
-        raise ValueError(f"outtype must be one of {sorted(OUTTYPES)}, got {outtype!r}")
+        if outtype in quantize_types():
+            return convert_then_quantize(
+                lambda tmp: convert_hf_to_gguf(hf_dir, tmp, "f32"), out_path, outtype
+            )
+        raise ValueError(f"outtype must be one of {quantize_types()}, got {outtype!r}")
+    if is_rwkv7_folder(hf_dir):  # llama.cpp's RWKV layout: loaders/rwkv_convert.py
+        return convert_rwkv7_hf_to_gguf(hf_dir, out_path, outtype)
     ckpt = read_hf(hf_dir)
     hybrid = ckpt.arch not in VOCAB_PAD  # lfm2, nemotron_h: loaders/hybrid_convert.py
     ckpt = ckpt if hybrid else _pad_vocab(ckpt)
