@@ -2,9 +2,11 @@
 form, and written as GGUF with the keys, tensor names and layouts of llama.cpp's converter.
 
 ``read_blink(path, vocab=None)`` -> :class:`Checkpoint` (RWKV-7 or RWKV-6, told apart by their tensors);
-``convert_blink_to_gguf(path, out, outtype, vocab)`` writes the GGUF. ``vocab`` is the World vocabulary file
-(``rwkv_vocab_v20230424.txt``: one ``id repr(token) length`` line per token), stored as llama.cpp stores
-it: ``<s>`` (control) as token 0, the file's tokens, ``[PADn]`` up to the embedding's rows.
+``convert_blink_to_gguf(path, out, outtype, vocab)`` writes the GGUF; ``convert_rwkv7_hf_to_gguf(folder,
+out, outtype)`` the same from a Hugging Face RWKV-7 folder (:mod:`rsmem.loaders.rwkv_hf`). ``vocab`` is the
+World vocabulary file (``rwkv_vocab_v20230424.txt``: one ``id repr(token) length`` line per token), stored
+as llama.cpp stores it: ``<s>`` (control) as token 0, the file's tokens, ``[PADn]`` up to the embedding's
+rows.
 """
 
 from __future__ import annotations
@@ -95,7 +97,23 @@ def convert_blink_to_gguf(
     ``bf16``, ``q8_0``; vectors and stacked lerps stay F32, as llama.cpp keeps them); returns the path."""
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {sorted(OUTTYPES)}, got {outtype!r}")
-    ckpt = read_blink(path, vocab)
+    return write_rwkv_gguf(read_blink(path, vocab), out_path, outtype)
+
+
+def convert_rwkv7_hf_to_gguf(
+    folder: str | os.PathLike[str], out_path: str | os.PathLike[str], outtype: str = "f32"
+) -> Path:
+    """:func:`convert_blink_to_gguf` for a Hugging Face RWKV-7 folder (:mod:`rsmem.loaders.rwkv_hf`): its
+    World tokenizer when it holds ``rwkv_vocab_v20230424.txt``."""
+    from rsmem.loaders.rwkv_hf import read_hf_rwkv7
+
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype must be one of {sorted(OUTTYPES)}, got {outtype!r}")
+    return write_rwkv_gguf(read_hf_rwkv7(folder), out_path, outtype)
+
+
+def write_rwkv_gguf(ckpt: Checkpoint, out_path: str | os.PathLike[str], outtype: str) -> Path:
+    """Write an RWKV checkpoint in llama.cpp's form as GGUF (see :func:`convert_blink_to_gguf`)."""
     qtype, file_type = OUTTYPES[outtype]
     out_path = Path(out_path)
     w = gguf.GGUFWriter(out_path, ckpt.arch)
