@@ -15,6 +15,7 @@ from safetensors import safe_open
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.checkpoint import Checkpoint, T, tensor_name
 from rsmem.loaders.hf_hybrid import HF_HYBRID_ARCHS, hybrid_checkpoint
+from rsmem.loaders.rwkv_hf import is_rwkv7_folder, read_hf_rwkv7
 from rsmem.loaders.tokenizer import tokenizer_data_from_hf
 from rsmem.models.mamba import MambaConfig
 from rsmem.models.mamba2 import Mamba2Config
@@ -56,6 +57,8 @@ def read_hf(folder: str | os.PathLike[str]) -> Checkpoint:
     except (OSError, ValueError) as exc:
         raise ModelFormatError(f"{folder}: unreadable config.json ({exc})") from exc
     arch = config.get("model_type")
+    if is_rwkv7_folder(folder):  # RWKV-7 (fla-hub's layout or BlinkDL names): loaders/rwkv_hf.py
+        return read_hf_rwkv7(folder)
     if arch in HF_HYBRID_ARCHS:
         return hybrid_checkpoint(folder, config, _read_safetensors(folder))
     if arch not in ("mamba", "mamba2"):
