@@ -18,6 +18,7 @@ from rsmem.models.lfm2 import Lfm2Model
 from rsmem.models.mamba import MambaConfig, MambaLayer, MambaModel, MambaWeights
 from rsmem.models.mamba2 import Mamba2Config, Mamba2Layer, Mamba2Model, Mamba2Weights
 from rsmem.models.nemotron_h import NemotronHModel
+from rsmem.models.ops.quantized import Matrix, QuantMatrix
 
 SUPPORTED_ARCHS = ("mamba", "mamba2", "lfm2", "nemotron_h", "rwkv7", "rwkv6")
 T = gguf.MODEL_TENSOR
@@ -47,14 +48,25 @@ class Checkpoint:
     tokenizer: TokenizerData | None = None
     source: str = ""
     meta: dict[str, object] = field(default_factory=dict)
+    # matrices kept in their quantized blocks (GGUF files of architectures that multiply them), by name
+    quantized: dict[str, QuantMatrix] = field(default_factory=dict)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors or name in self.quantized
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """The tensor ``name`` (reshaped to ``shape`` if given); ModelFormatError if absent or mis-sized."""
-        t = self.tensors.get(name)
+        """The tensor ``name`` as float32 (a matrix kept quantized is dequantized; reshaped to ``shape`` if
+        given); ModelFormatError if absent or mis-sized."""
+        t = self.get_matrix(name, shape)
+        return t.dequantize() if isinstance(t, QuantMatrix) else t
+
+    def get_matrix(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | QuantMatrix:
+        """:meth:`get`, keeping a quantized matrix in its blocks (for models that multiply them)."""
+        t: torch.Tensor | QuantMatrix | None = self.quantized.get(name, self.tensors.get(name))
         if t is None:
             raise ModelFormatError(f"{self.source}: missing tensor {name!r} ({self.arch})")
         if shape is not None:
-            if t.numel() != _numel(shape):
+            if t.numel() != _numel(shape) or (isinstance(t, QuantMatrix) and t.shape != shape):
                 raise ModelFormatError(
                     f"{self.source}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}"
                 )
@@ -88,12 +100,12 @@ def build_model(
     raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
 
 
-def _embeddings(ckpt: Checkpoint) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _embeddings(ckpt: Checkpoint) -> tuple[Matrix, torch.Tensor, Matrix]:
     cfg = ckpt.config
-    emb = ckpt.get(tensor_name(T.TOKEN_EMBD), (cfg.n_vocab, cfg.d_model))
+    emb = ckpt.get_matrix(tensor_name(T.TOKEN_EMBD), (cfg.n_vocab, cfg.d_model))
     norm_f = ckpt.get(tensor_name(T.OUTPUT_NORM), (cfg.d_model,))
     head_name = tensor_name(T.OUTPUT)
-    head = ckpt.get(head_name, (cfg.n_vocab, cfg.d_model)) if head_name in ckpt.tensors else emb
+    head = ckpt.get_matrix(head_name, (cfg.n_vocab, cfg.d_model)) if head_name in ckpt else emb
     return emb, norm_f, head
 
 
@@ -106,15 +118,15 @@ def _mamba_weights(ckpt: Checkpoint) -> MambaWeights:
         layers.append(
             MambaLayer(
                 norm=ckpt.get(tensor_name(T.ATTN_NORM, b), (d,)),
-                in_proj=ckpt.get(tensor_name(T.SSM_IN, b), (2 * di, d)),
+                in_proj=ckpt.get_matrix(tensor_name(T.SSM_IN, b), (2 * di, d)),
                 conv_weight=ckpt.get(tensor_name(T.SSM_CONV1D, b), (di, k)),
                 conv_bias=ckpt.get(tensor_name(T.SSM_CONV1D, b, ".bias"), (di,)),
-                x_proj=ckpt.get(tensor_name(T.SSM_X, b), (r + 2 * n, di)),
+                x_proj=ckpt.get_matrix(tensor_name(T.SSM_X, b), (r + 2 * n, di)),
                 dt_proj=ckpt.get(tensor_name(T.SSM_DT, b), (di, r)),
                 dt_bias=ckpt.get(tensor_name(T.SSM_DT, b, ".bias"), (di,)),
                 A=ckpt.get(tensor_name(T.SSM_A, b, ""), (di, n)),
                 D=ckpt.get(tensor_name(T.SSM_D, b, ""), (di,)),
-                out_proj=ckpt.get(tensor_name(T.SSM_OUT, b), (d, di)),
+                out_proj=ckpt.get_matrix(tensor_name(T.SSM_OUT, b), (d, di)),
             )
         )
     emb, norm_f, head = _embeddings(ckpt)
@@ -130,14 +142,14 @@ def _mamba2_weights(ckpt: Checkpoint) -> Mamba2Weights:
         layers.append(
             Mamba2Layer(
                 norm=ckpt.get(tensor_name(T.ATTN_NORM, b), (d,)),
-                in_proj=ckpt.get(tensor_name(T.SSM_IN, b), (di + cfg.conv_dim + h, d)),
+                in_proj=ckpt.get_matrix(tensor_name(T.SSM_IN, b), (di + cfg.conv_dim + h, d)),
                 conv_weight=ckpt.get(tensor_name(T.SSM_CONV1D, b), (cfg.conv_dim, k)),
                 conv_bias=ckpt.get(tensor_name(T.SSM_CONV1D, b, ".bias"), (cfg.conv_dim,)),
                 dt_bias=ckpt.get(tensor_name(T.SSM_DT, b, ".bias"), (h,)),
                 A=ckpt.get(tensor_name(T.SSM_A, b, ""), (h,)),
                 D=ckpt.get(tensor_name(T.SSM_D, b, ""), (h,)),
                 ssm_norm=ckpt.get(tensor_name(T.SSM_NORM, b), (di,)),
-                out_proj=ckpt.get(tensor_name(T.SSM_OUT, b), (d, di)),
+                out_proj=ckpt.get_matrix(tensor_name(T.SSM_OUT, b), (d, di)),
             )
         )
     emb, norm_f, head = _embeddings(ckpt)

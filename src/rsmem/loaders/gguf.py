@@ -7,14 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import torch
 
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.checkpoint import SUPPORTED_ARCHS, Checkpoint, tensor_name
 from rsmem.loaders.hybrid import HYBRID_ARCHS, config_from_gguf
 from rsmem.loaders.rwkv import RWKV_ARCHS
 from rsmem.loaders.rwkv import config_from_gguf as rwkv_config_from_gguf
-from rsmem.loaders.tensor_types import load_tensors, open_reader
+from rsmem.loaders.tensor_types import keeps_quantized, load_tensors, open_reader
 from rsmem.loaders.tokenizer import tokenizer_data_from_gguf
+from rsmem.models.ops.quantized import QuantMatrix
 from rsmem.models.lfm2 import Lfm2Config
 from rsmem.models.mamba import MambaConfig
 from rsmem.models.mamba2 import Mamba2Config
@@ -46,8 +48,10 @@ def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     arch = _value(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHS:
         raise ModelFormatError(f"{path}: unsupported architecture {arch!r} (supported: {SUPPORTED_ARCHS})")
-    tensors = load_tensors(reader, path)
-    emb = tensors.get(tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD))
+    loaded = load_tensors(reader, path, keep=keeps_quantized(str(arch)))
+    tensors = {name: t for name, t in loaded.items() if isinstance(t, torch.Tensor)}
+    quantized = {name: t for name, t in loaded.items() if isinstance(t, QuantMatrix)}
+    emb = loaded.get(tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD))
     if emb is None:
         raise ModelFormatError(f"{path}: missing tensor 'token_embd.weight'")
     # Checkpoint.config names the Mamba configs (convert.py reads their fields); a hybrid's rides along
@@ -60,6 +64,7 @@ def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
         arch=str(arch),
         config=config,
         tensors=tensors,
+        quantized=quantized,
         tokenizer=tokenizer_data_from_gguf(reader),
         source=str(path),
     )

@@ -1,11 +1,13 @@
 """GGUF tensor types: which ones load, how each is held in memory, and the checks on their bytes.
 
 Every float type and every quantized type the ``gguf`` package can dequantize loads (Q4_0 ... Q8_0, the
-K-quants Q2_K ... Q6_K, the IQ and TQ types, MXFP4, NVFP4). There are no kernels for quantized weights yet,
-so a quantized tensor is dequantized once, at load, with gguf-py's reference dequantizer (the one llama.cpp's
-own Python tools use) into float32; the model then casts its matrices to its compute dtype (bfloat16 with
-``dtype=torch.bfloat16``). :data:`HOLDING` says how each type is held: a later kernel that multiplies a type
-in its block form changes that type's entry and :func:`hold` (returning the blocks instead), not the reader.
+K-quants Q2_K ... Q6_K, the IQ and TQ types, MXFP4, NVFP4). For the architectures whose models multiply
+quantized matrices (:data:`KEEPING_ARCHS`), the matrices of the types :mod:`rsmem.kernels` has kernels for
+(Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) stay in their blocks, as :class:`~rsmem.models.ops.quantized.QuantMatrix`:
+the resident weights are the file's bytes. Every other quantized tensor is dequantized once, at load, with
+gguf-py's reference dequantizer (the one llama.cpp's own Python tools use) into float32; the model then
+casts its matrices to its compute dtype (bfloat16 with ``dtype=torch.bfloat16``). :data:`HOLDING` and
+:func:`holding_of` say how each type is held.
 
 A tensor whose bytes are short (a truncated file), whose rows do not fill whole blocks, whose type rsmem
 cannot read, or whose dequantized values are not finite (corrupt block scales) is refused with a
@@ -27,6 +29,9 @@ import numpy as np
 import torch
 
 from rsmem.errors import ModelFormatError
+from rsmem.kernels.dequant import dequantize_rows
+from rsmem.kernels.formats import KERNEL_TYPES
+from rsmem.models.ops.quantized import QuantMatrix
 
 log = logging.getLogger("rsmem.loaders")
 Q = gguf.GGMLQuantizationType
@@ -38,6 +43,7 @@ class Holding(Enum):
     AS_STORED = "float32, as stored"
     CONVERTED = "converted to float32 at load"
     DEQUANTIZED = "dequantized to float32 at load"
+    KEPT = "kept in its blocks (rsmem's kernels)"
 
 
 FLOAT_TYPES = {
@@ -64,6 +70,14 @@ HOLDING: dict[gguf.GGMLQuantizationType, Holding] = {
     **FLOAT_TYPES,
     **{t: Holding.DEQUANTIZED for t in Q if _dequantizable(t)},
 }
+
+
+def holding_of(qtype: gguf.GGMLQuantizationType, keep: bool) -> Holding | None:
+    """How a tensor type is held: as :data:`HOLDING` says, or in its blocks when ``keep`` (a model that
+    multiplies quantized matrices) and rsmem has kernels for the type (``KERNEL_TYPES``)."""
+    if keep and qtype in KERNEL_TYPES:
+        return Holding.KEPT
+    return HOLDING.get(qtype)
 
 
 def loadable_type_names() -> list[str]:
@@ -110,9 +124,14 @@ def open_reader(path: str | os.PathLike[str]) -> gguf.GGUFReader:
         raise ModelFormatError(f"{path}: {exc}") from exc
 
 
-def hold(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> torch.Tensor:
+def hold(
+    t: gguf.ReaderTensor, source: str | os.PathLike[str], keep: bool = False
+) -> torch.Tensor | QuantMatrix:
     """The tensor as float32 in numpy order (ggml's shape reversed: a Linear weight reads ``[out, in]``),
-    held as :data:`HOLDING` says; ModelFormatError names the tensor if its type or bytes are unusable."""
+    held as :data:`HOLDING` says, or, with ``keep``, a matrix of a kernel type as a :class:`QuantMatrix`
+    of the file's blocks; ModelFormatError names the tensor if its type or bytes are unusable."""
+    if keep and t.tensor_type in KERNEL_TYPES and len(t.shape) == 2:
+        return _keep(t, source)
     holding = HOLDING.get(t.tensor_type)
     if holding is None:
         raise ModelFormatError(
@@ -138,6 +157,29 @@ def hold(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> torch.Tensor:
             "its block scales are corrupt"
         )
     return tensor
+
+
+def _keep(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> QuantMatrix:
+    """A matrix of a kernel type as its blocks, copied out of the file's memory map (one row of
+    ``row_bytes`` per output); non-finite block scales are refused as :func:`hold` refuses them."""
+    _check_size(t, source)
+    n_in, n_out = (int(d) for d in t.shape.tolist())
+    blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(n_out, -1))
+    matrix = QuantMatrix(blocks, int(t.tensor_type), (n_out, n_in))
+    k = n_in
+    if not all(
+        bool(torch.isfinite(dequantize_rows(blocks[rows], matrix.qtype, k)).all())
+        for rows in _row_chunks(n_out)
+    ):
+        raise ModelFormatError(
+            f"{source}: tensor {t.name!r} ({t.tensor_type.name}) dequantizes to non-finite values: "
+            "its block scales are corrupt"
+        )
+    return matrix
+
+
+def _row_chunks(n_rows: int, chunk: int = 4096) -> list[slice]:
+    return [slice(i, min(i + chunk, n_rows)) for i in range(0, n_rows, chunk)]
 
 
 def _check_size(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> None:
@@ -168,24 +210,43 @@ class TypeSummary:
 
     @property
     def held_bytes(self) -> int:
+        if self.holding is Holding.KEPT:
+            return self.file_bytes
         return 4 * self.values if self.holding is not None else 0
 
 
-def summarize(tensors: Iterable[gguf.ReaderTensor]) -> list[TypeSummary]:
-    """One :class:`TypeSummary` per tensor type, most values first."""
+def summarize(tensors: Iterable[gguf.ReaderTensor], keep: bool = False) -> list[TypeSummary]:
+    """One :class:`TypeSummary` per tensor type, most values first (``keep``: see :func:`hold`; a type
+    is summarised as kept when its matrices are, its 1-D tensors being few bytes)."""
     counts: dict[gguf.GGMLQuantizationType, list[int]] = {}
     for t in tensors:
         c = counts.setdefault(t.tensor_type, [0, 0, 0])
         c[0] += 1
         c[1] += int(t.n_elements)
         c[2] += int(t.n_bytes)
-    rows = [TypeSummary(q.name, n, v, b, HOLDING.get(q)) for q, (n, v, b) in counts.items()]
+    rows = [TypeSummary(q.name, n, v, b, holding_of(q, keep)) for q, (n, v, b) in counts.items()]
     return sorted(rows, key=lambda s: -s.values)
 
 
-def file_summary(path: str | os.PathLike[str]) -> list[TypeSummary]:
-    """The tensor types of a GGUF file (reads the header and tensor table only)."""
-    return summarize(open_reader(path).tensors)
+def file_summary(path: str | os.PathLike[str], keep: bool | None = None) -> list[TypeSummary]:
+    """The tensor types of a GGUF file (reads the header and tensor table only); ``keep`` None: whether
+    the file's architecture keeps quantized matrices (:data:`KEEPING_ARCHS`)."""
+    reader = open_reader(path)
+    if keep is None:
+        field = reader.fields.get("general.architecture")
+        arch = bytes(field.parts[field.data[0]]).decode("utf-8", "replace") if field is not None else ""
+        keep = keeps_quantized(arch)
+    return summarize(reader.tensors, keep)
+
+
+# Architectures whose models multiply QuantMatrix weights (the others get float32 matrices).
+KEEPING_ARCHS = ("mamba", "mamba2")
+
+
+def keeps_quantized(arch: str) -> bool:
+    """Whether ``arch``'s model keeps quantized matrices in their blocks (``RSMEM_KERNELS=0`` does not
+    change this: the reference twin then multiplies them)."""
+    return arch in KEEPING_ARCHS
 
 
 def dequantized_note(source: str | os.PathLike[str], summary: Sequence[TypeSummary]) -> str | None:
@@ -200,11 +261,14 @@ def dequantized_note(source: str | os.PathLike[str], summary: Sequence[TypeSumma
     return f"{Path(source).name}: dequantized {', '.join(parts)} to float32 at load"
 
 
-def load_tensors(reader: gguf.GGUFReader, source: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of the file by name, held as :data:`HOLDING` says; logs one line (INFO, logger
-    ``rsmem.loaders``) naming the types that were dequantized."""
-    tensors = {t.name: hold(t, source) for t in reader.tensors}
-    note = dequantized_note(source, summarize(reader.tensors))
+def load_tensors(
+    reader: gguf.GGUFReader, source: str | os.PathLike[str], keep: bool = False
+) -> dict[str, torch.Tensor | QuantMatrix]:
+    """Every tensor of the file by name, held as :data:`HOLDING` says (with ``keep``, the matrices of
+    kernel types as :class:`QuantMatrix`); logs one line (INFO, logger ``rsmem.loaders``) naming the
+    types that were dequantized."""
+    tensors = {t.name: hold(t, source, keep) for t in reader.tensors}
+    note = dequantized_note(source, summarize(reader.tensors, keep))
     if note:
         log.info(note)
     return tensors

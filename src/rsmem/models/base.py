@@ -21,6 +21,7 @@ from rsmem.models.ops.common import CapturePoints, output_rows
 from rsmem.models.ops.fused import token_step
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
+from rsmem.models.ops.quantized import Matrix, QuantMatrix, as_float32, embed, out_in, same_storage
 from rsmem.models.protocol import StateAccess
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class MambaFamilyModel:
         self._window_shape = (conv_channels, config.d_conv - 1)
         self._state_shape = state_shape
         self.tokenizer: Tokenizer | None = None  # set by the loaders when the file carries one
-        self.embedding = weights.embedding.to(torch.float32)
+        self.embedding = as_float32(weights.embedding)
         self.norm_f = weights.norm_f.to(torch.float32)
         tied = weights.lm_head is weights.embedding
         packing = packing_enabled()
@@ -91,31 +92,33 @@ class MambaFamilyModel:
         self._n_matrix_weights = sum(m.numel() for m in matrices)
         # The one-sequence compiled step streams [out, in] rows: only worth it when the matrices are held
         # that way (float32 with packing); bf16 [in, out] copies decode one sequence faster eagerly.
-        self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
+        self._rows_contiguous = all(isinstance(m, QuantMatrix) or m.t().is_contiguous() for m in matrices)
         self.compile_decode = False
         self.set_compile(compile)
 
     def _to_huge_pages(self) -> None:
         """Move the embedding, the head and every matrix onto huge pages (see :mod:`rsmem.hugepages`): a
         one-sequence decode step reads them all from memory. A tied head stays a view of the embedding."""
-        head_is_embedding = self.lm_head.data_ptr() == self.embedding.data_ptr()
+        head_is_embedding = same_storage(self.lm_head, self.embedding)
         slots: list[tuple[Any, str]] = [(self, "embedding")]
         if not head_is_embedding:
             slots.append((self, "lm_head"))
         slots += [(layer, name) for layer in self.layers for name in self.matrices]
+        # quantized matrices stay where the loader put them (their blocks are a fraction of the bytes)
+        slots = [(owner, name) for owner, name in slots if isinstance(getattr(owner, name), torch.Tensor)]
         held = [getattr(owner, name) for owner, name in slots]
         # matrices held as transposed views are copied as the contiguous tensor they view
         flipped = [t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous() for t in held]
         copies = huge_page_copies([t.t() if f else t for t, f in zip(held, flipped, strict=True)])
         for (owner, name), f, copy in zip(slots, flipped, copies, strict=True):
             setattr(owner, name, copy.t() if f else copy)
-        if head_is_embedding:
+        if head_is_embedding and isinstance(self.embedding, torch.Tensor):
             self.lm_head = self.embedding.t()
 
     def set_compile(self, setting: CompileSetting) -> bool:
         """Whether one-token steps run through ``torch.compile`` (see :mod:`rsmem.models.compiled`):
         ``"auto"``, True/False or ``"1"``/``"0"``; None reads ``RSMEM_COMPILE``. Returns the decision."""
-        self.compile_decode = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
+        self.compile_decode = resolve_compile(setting, self._n_matrix_weights, self.norm_f.device)
         if self.compile_decode and not hasattr(self, "_token_step_one"):
             layer_fn, n_fields, consts = self.layer_one()
             # args: x, norm_f, lm_head, eps, then per layer n_fields tensors ending with window and h
@@ -153,7 +156,7 @@ class MambaFamilyModel:
         :meth:`layer_one_args` gives it, and the constants that follow them."""
         raise NotImplementedError
 
-    def layer_one_args(self, layer: Any, window: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def layer_one_args(self, layer: Any, window: torch.Tensor, h: torch.Tensor) -> tuple[Matrix, ...]:
         """One layer's tensors for the block of :meth:`layer_one`, matrices as ``[out, in]``, ending with
         ``window`` and ``h`` (the states it updates)."""
         raise NotImplementedError
@@ -181,7 +184,7 @@ class MambaFamilyModel:
         at = capture.points if capture is not None else ()
         if n_tokens == 1 and not at and self.compile_decode and (n_seqs > 1 or self._rows_contiguous):
             return self.decode_forward(tokens[:, 0], ubatch, states)
-        x = self.embedding[tokens]  # [Bs, L, d_model], a fresh tensor: the residual adds in place
+        x = embed(self.embedding, tokens)  # [Bs, L, d_model], a fresh tensor: the residual adds in place
         for il, layer in enumerate(self.layers):
             r, s = states.read_states(il)
             window, h = self.state_views(r, s, n_seqs)
@@ -195,11 +198,11 @@ class MambaFamilyModel:
     def decode_forward(self, tokens: torch.Tensor, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         """:meth:`forward` for one token a sequence (``tokens`` ``[Bs]``) through the compiled steps."""
         eps = self.config.eps
-        x = self.embedding[tokens]  # [Bs, d_model]
+        x = embed(self.embedding, tokens)  # [Bs, d_model]
         if x.shape[0] == 1:  # every layer and the head in one compiled call
             views = [self.state_views(*states.read_states(il), 1) for il in range(self.n_layer)]
             flat = [t for ly, v in zip(self.layers, views, strict=True) for t in self.layer_one_args(ly, *v)]
-            logits = self._token_step_one(x, self.norm_f, self.lm_head.t(), eps, *flat)
+            logits = self._token_step_one(x, self.norm_f, out_in(self.lm_head), eps, *flat)
             for il, (window, h) in enumerate(views):
                 states.write_states(il, window, h)
             return logits[: len(ubatch.output_rows())]
@@ -215,7 +218,7 @@ class MambaFamilyModel:
         x = output_rows(x, ubatch.output_rows())
         return self.linear(rms_norm(x, self.norm_f, self.config.eps), self.lm_head).float()
 
-    def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight_t: Matrix) -> torch.Tensor:
         """``x @ weight_t`` for a matrix ``[in, out]`` of this model, as float32 (ops.common, ops.packed)."""
         return self.packed.linear(x, weight_t)
 

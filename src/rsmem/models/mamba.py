@@ -26,6 +26,7 @@ from rsmem.models.ops.fused import (
     selective_scan_blocked_at_,
 )
 from rsmem.models.ops.norm import rms_norm
+from rsmem.models.ops.quantized import Matrix, out_in
 from rsmem.models.ops.selective_scan import selective_scan_at_
 
 
@@ -57,23 +58,23 @@ class MambaLayer:
     """One block's weights, as llama.cpp stores them (``A`` is ``-exp(A_log)``; conv kernel squeezed)."""
 
     norm: torch.Tensor  # [d_model]
-    in_proj: torch.Tensor  # [2 * d_inner, d_model]: x, then z
+    in_proj: Matrix  # [2 * d_inner, d_model]: x, then z
     conv_weight: torch.Tensor  # [d_inner, d_conv]
     conv_bias: torch.Tensor  # [d_inner]
-    x_proj: torch.Tensor  # [dt_rank + 2 * d_state, d_inner]: dt, B, C
+    x_proj: Matrix  # [dt_rank + 2 * d_state, d_inner]: dt, B, C
     dt_proj: torch.Tensor  # [d_inner, dt_rank]
     dt_bias: torch.Tensor  # [d_inner]
     A: torch.Tensor  # [d_inner, d_state]
     D: torch.Tensor  # [d_inner]
-    out_proj: torch.Tensor  # [d_model, d_inner]
+    out_proj: Matrix  # [d_model, d_inner]
 
 
 @dataclass(slots=True)
 class MambaWeights:
-    embedding: torch.Tensor  # [n_vocab, d_model]
+    embedding: Matrix  # [n_vocab, d_model]
     layers: list[MambaLayer]
     norm_f: torch.Tensor  # [d_model]
-    lm_head: torch.Tensor  # [n_vocab, d_model]; the embedding itself when tied
+    lm_head: Matrix  # [n_vocab, d_model]; the embedding itself when tied
 
 
 class MambaModel(MambaFamilyModel):
@@ -136,13 +137,11 @@ class MambaModel(MambaFamilyModel):
     def layer_one(self) -> tuple[Callable[..., torch.Tensor], int, tuple[float | int, ...]]:
         return mamba_layer_one_, 12, (self.config.eps, self.config.dt_rank, self.config.d_state)
 
-    def layer_one_args(
-        self, layer: MambaLayer, window: torch.Tensor, h: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def layer_one_args(self, layer: MambaLayer, window: torch.Tensor, h: torch.Tensor) -> tuple[Matrix, ...]:
         ly = layer
         return (
-            ly.norm, ly.in_proj.t(), ly.conv_weight, ly.conv_bias, ly.x_proj.t(), ly.dt_proj, ly.dt_bias,
-            ly.A, ly.D, ly.out_proj.t(), window, h,
+            ly.norm, out_in(ly.in_proj), ly.conv_weight, ly.conv_bias, out_in(ly.x_proj), ly.dt_proj,
+            ly.dt_bias, ly.A, ly.D, out_in(ly.out_proj), window, h,
         )  # fmt: skip
 
     def decode_layer(

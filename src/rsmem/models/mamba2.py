@@ -20,6 +20,7 @@ from rsmem.models.ops.common import CapturePoints
 from rsmem.models.ops.conv import causal_conv1d_, conv_windows_at
 from rsmem.models.ops.fused import mamba2_layer_one_, mamba2_mixer_step_
 from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
+from rsmem.models.ops.quantized import Matrix, out_in
 from rsmem.models.ops.ssd import ssd_chunked_at_
 
 
@@ -61,22 +62,22 @@ class Mamba2Config:
 @dataclass(slots=True)
 class Mamba2Layer:
     norm: torch.Tensor  # [d_model]
-    in_proj: torch.Tensor  # [d_inner + conv_dim + n_head, d_model]: z, xBC, dt
+    in_proj: Matrix  # [d_inner + conv_dim + n_head, d_model]: z, xBC, dt
     conv_weight: torch.Tensor  # [conv_dim, d_conv]
     conv_bias: torch.Tensor  # [conv_dim]
     dt_bias: torch.Tensor  # [n_head]
     A: torch.Tensor  # [n_head], -exp(A_log)
     D: torch.Tensor  # [n_head]
     ssm_norm: torch.Tensor  # [d_inner]
-    out_proj: torch.Tensor  # [d_model, d_inner]
+    out_proj: Matrix  # [d_model, d_inner]
 
 
 @dataclass(slots=True)
 class Mamba2Weights:
-    embedding: torch.Tensor  # [n_vocab, d_model]
+    embedding: Matrix  # [n_vocab, d_model]
     layers: list[Mamba2Layer]
     norm_f: torch.Tensor
-    lm_head: torch.Tensor  # the embedding itself when tied
+    lm_head: Matrix  # the embedding itself when tied
 
 
 class Mamba2Model(MambaFamilyModel):
@@ -141,13 +142,11 @@ class Mamba2Model(MambaFamilyModel):
     def layer_one(self) -> tuple[Callable[..., torch.Tensor], int, tuple[float | int, ...]]:
         return mamba2_layer_one_, 11, (self.config.n_group, self.config.eps)
 
-    def layer_one_args(
-        self, layer: Mamba2Layer, window: torch.Tensor, h: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def layer_one_args(self, layer: Mamba2Layer, window: torch.Tensor, h: torch.Tensor) -> tuple[Matrix, ...]:
         ly = layer
         return (
-            ly.norm, ly.in_proj.t(), ly.conv_weight, ly.conv_bias, ly.dt_bias, ly.A, ly.D, ly.ssm_norm,
-            ly.out_proj.t(), window, h,
+            ly.norm, out_in(ly.in_proj), ly.conv_weight, ly.conv_bias, ly.dt_bias, ly.A, ly.D, ly.ssm_norm,
+            out_in(ly.out_proj), window, h,
         )  # fmt: skip
 
     def decode_layer(

@@ -30,11 +30,15 @@ import torch.nn.functional as F
 from rsmem.models.ops.common import CapturePoints
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
+from rsmem.models.ops.quantized import Matrix, QuantMatrix
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: Matrix) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` ``[Bs, in]`` and ``weight`` ``[out, in]`` as a fused reduction (meant for
-    ``Bs`` = 1: eagerly it materialises ``[Bs, out, in]``). A bf16 ``weight`` is promoted per element."""
+    ``Bs`` = 1: eagerly it materialises ``[Bs, out, in]``). A bf16 ``weight`` is promoted per element; a
+    :class:`~rsmem.models.ops.quantized.QuantMatrix` goes to its kernel (an op inductor calls as it is)."""
+    if isinstance(weight, QuantMatrix):
+        return weight.matmul_t(x)
     return (weight * x.unsqueeze(-2)).sum(-1)
 
 

@@ -14,10 +14,13 @@ compiled reductions (:func:`rsmem.models.ops.fused.gemv`), faster still.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from rsmem import settings
 from rsmem.models.ops.common import linear, transposed
+from rsmem.models.ops.quantized import Matrix, QuantMatrix
 
 PACK_ROWS = 8  # the row count oneDNN picks its blocking for; any count runs, 8..512 all gain
 
@@ -30,13 +33,21 @@ def packing_enabled() -> bool:
     )
 
 
-def held_matrix(weight: torch.Tensor, dtype: torch.dtype, packing: bool) -> torch.Tensor:
+@overload
+def held_matrix(weight: torch.Tensor, dtype: torch.dtype, packing: bool) -> torch.Tensor: ...
+@overload
+def held_matrix(weight: QuantMatrix, dtype: torch.dtype, packing: bool) -> QuantMatrix: ...
+@overload
+def held_matrix(weight: Matrix, dtype: torch.dtype, packing: bool) -> Matrix: ...
+def held_matrix(weight: Matrix, dtype: torch.dtype, packing: bool) -> Matrix:
     """How a model holds a ``[out, in]`` matrix: as an ``[in, out]`` tensor for :meth:`PackedMatrices.linear`.
 
     With ``packing`` (float32 only) it is the transposed view of the ``[out, in]`` contiguous matrix, which
     the one-row oneDNN product takes as it is (a float32 contiguous ``weight`` is not even copied);
     otherwise the ``[in, out]`` contiguous copy that :func:`~rsmem.models.ops.common.linear` prefers.
     """
+    if isinstance(weight, QuantMatrix):  # kept in its blocks whatever the compute dtype
+        return weight
     if packing and dtype == torch.float32:
         return weight.to(torch.float32).contiguous().t()
     return transposed(weight, dtype)
@@ -49,12 +60,14 @@ class PackedMatrices:
         # id(weight_t) -> (weight_t, packed, plain [out, in] contiguous or None)
         self._by_id: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
 
-    def add(self, weight_t: torch.Tensor) -> None:
+    def add(self, weight_t: Matrix) -> None:
         """Pack ``weight_t`` ``[in, out]`` if it is a float32 CPU matrix (others use the plain product).
 
         When ``weight_t`` is the transposed view of a contiguous ``[out, in]`` matrix (:func:`held_matrix`),
         one-row products go through oneDNN on that matrix too: in a decode step every matrix streams from
         memory, and even Mamba's small ``x_proj`` (123k weights) gains over the plain product."""
+        if not isinstance(weight_t, torch.Tensor):  # a QuantMatrix: its own kernels
+            return
         if weight_t.dtype != torch.float32 or weight_t.device.type != "cpu":
             return
         weight = weight_t.t()
@@ -62,10 +75,12 @@ class PackedMatrices:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
         self._by_id[id(weight_t)] = (weight_t, packed, plain)
 
-    def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight_t: Matrix) -> torch.Tensor:
         """``x @ weight_t`` as :func:`~rsmem.models.ops.common.linear` computes it, through the packed
         twin when there is one and ``x`` has more than one row, through the plain ``[out, in]`` matrix
         when ``x`` has one row and the matrix is held that way."""
+        if isinstance(weight_t, QuantMatrix):
+            return weight_t.matmul_t(x)
         entry = self._by_id.get(id(weight_t))
         if entry is None or entry[0] is not weight_t or x.dtype != torch.float32:
             return linear(x, weight_t)
