@@ -233,7 +233,8 @@ def test_info_shows_how_each_type_is_held(capsys: pytest.CaptureFixture[str]) ->
     from rsmem.cli import main
 
     assert main(["info", str(FIXTURES / "mamba2" / "model-q4_k_m.gguf")]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if " MB in file -> " in line]
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if " MB in file -> " in line]
     held = {line[17:24].strip(): line.split(" -> ")[1] for line in lines}
     assert held == {
         "Q4_K": "kept in its blocks (rsmem's kernels) (0.23 MB)",
@@ -241,3 +242,5 @@ def test_info_shows_how_each_type_is_held(capsys: pytest.CaptureFixture[str]) ->
         "F32": "float32, as stored (0.02 MB)",
     }
     assert lines[0].startswith("tensor types:    Q4_K      2 tensors")
+    held_line = [line for line in out.splitlines() if line.startswith("weights held:")]
+    assert held_line == ["weights held:    0.35 MB, 1.00x the file's 0.35 MB of tensors"]

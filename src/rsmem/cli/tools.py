@@ -165,13 +165,19 @@ def _print_tensor_types(path: Path) -> None:
 
     if not path.is_file() or not is_gguf(path):
         return
-    for i, s in enumerate(file_summary(path)):
+    summary = file_summary(path)
+    for i, s in enumerate(summary):
         held = s.holding.value if s.holding is not None else "not loadable"
         print(
             f"{'tensor types:' if i == 0 else '':<16} {s.type_name:<7} {s.tensors:>3} tensor"
             f"{'s' if s.tensors != 1 else ' '} {s.file_bytes / 1e6:9.2f} MB in file -> {held} "
             f"({s.held_bytes / 1e6:.2f} MB)"
         )
+    held_bytes, file_bytes = sum(s.held_bytes for s in summary), sum(s.file_bytes for s in summary)
+    print(
+        f"weights held:    {held_bytes / 1e6:.2f} MB, {held_bytes / max(file_bytes, 1):.2f}x the file's "
+        f"{file_bytes / 1e6:.2f} MB of tensors"
+    )
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
