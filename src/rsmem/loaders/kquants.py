@@ -26,8 +26,17 @@ F32 = np.float32
 
 
 def _seq_sum(a: np.ndarray) -> np.ndarray:
-    """Sum over the last axis from first to last element, in float32 (ggml's ``for`` loop)."""
-    return np.add.accumulate(a, axis=-1, dtype=np.float32)[..., -1]
+    """Sum of ``a`` [n, groups] over its first axis, first to last element, in float32 (ggml's ``for``
+    loop; numpy's ``sum`` is pairwise, and ``add.accumulate`` is exact but 50x slower than this loop)."""
+    total = a[0].astype(np.float32, copy=True)
+    for row in a[1:]:
+        total += row
+    return total
+
+
+def _round_clip(v: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """``MAX(lo, MIN(hi, nearest_int(v)))`` as float32 (integers are exact in it)."""
+    return np.clip(np.rint(v), F32(lo), F32(hi))
 
 
 def _nearest_int(x: np.ndarray) -> np.ndarray:
@@ -46,55 +55,50 @@ def make_qkx2_quants(
     x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ggml's ``make_qkx2_quants`` over groups ``x`` [n_groups, n] with weights ``w``: returns
-    (scale, the_min, L) with L in [0, nmax]; ``use_mad`` weighs absolute errors instead of squared ones."""
+    (scale, the_min, L) with L in [0, nmax]; ``use_mad`` weighs absolute errors instead of squared ones.
+    Works on [n, n_groups] copies, so per-group values broadcast and sums run over rows."""
 
     def err(d: np.ndarray) -> np.ndarray:
         return np.abs(d) if use_mad else d * d
 
-    mn = x.min(axis=1)
-    mx = x.max(axis=1)
+    x = np.ascontiguousarray(x.T)
+    w = np.ascontiguousarray(w.T)
+    mn = x.min(axis=0)
+    mx = x.max(axis=0)
     sum_w = _seq_sum(w)
     sum_x = _seq_sum(w * x)
     mn = np.minimum(mn, F32(0))
     flat = mx == mn
     flat_min = -mn
     rng = np.where(flat, F32(1), mx - mn)
-    xm = x - mn[:, None]
     iscale = F32(nmax) / rng
     scale = F32(1) / iscale
-    L = np.clip(_nearest_int(iscale[:, None] * xm), 0, nmax)
-    Lf = L.astype(np.float32)
-    diff = scale[:, None] * Lf + mn[:, None] - x
-    best_error = _seq_sum(w * err(diff))
-    for step in range(nstep + 1):
-        # ggml's loop reads ``min`` after the steps before it may have moved it
-        rng = np.where(flat, F32(1), mx - mn)
-        xm = x - mn[:, None]
-        iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / rng
-        laux = np.clip(_nearest_int(iscale[:, None] * xm), 0, nmax)
-        lf = laux.astype(np.float32)
-        wl = w * lf
-        sum_l = _seq_sum(wl)
-        sum_l2 = _seq_sum(wl * lf)
-        sum_xl = _seq_sum(wl * x)
-        D = sum_w * sum_l2 - sum_l * sum_l
-        ok = D > 0
-        with np.errstate(divide="ignore", invalid="ignore"):
+    L = _round_clip(iscale * (x - mn), 0, nmax)
+    best_error = _seq_sum(w * err(scale * L + mn - x))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for step in range(nstep + 1):
+            # ggml's loop reads ``min`` after the steps before it may have moved it
+            iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / np.where(flat, F32(1), mx - mn)
+            laux = _round_clip(iscale * (x - mn), 0, nmax)
+            wl = w * laux
+            sum_l = _seq_sum(wl)
+            sum_l2 = _seq_sum(wl * laux)
+            sum_xl = _seq_sum(wl * x)
+            D = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
             pos = this_min > 0
             this_min = np.where(pos, F32(0), this_min)
             this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
-            d = this_scale[:, None] * lf + this_min[:, None] - x
-            cur_error = _seq_sum(w * err(d))
-        better = ok & (cur_error < best_error)
-        L = np.where(better[:, None], laux, L)
-        best_error = np.where(better, cur_error, best_error)
-        scale = np.where(better, this_scale, scale)
-        mn = np.where(better, this_min, mn)
-    L = np.where(flat[:, None], 0, L)
+            cur_error = _seq_sum(w * err(this_scale * laux + this_min - x))
+            better = (D > 0) & (cur_error < best_error)
+            L = np.where(better, laux, L)
+            best_error = np.where(better, cur_error, best_error)
+            scale = np.where(better, this_scale, scale)
+            mn = np.where(better, this_min, mn)
+    L = np.where(flat, F32(0), L)
     scale = np.where(flat, F32(0), scale)
-    return scale.astype(np.float32), np.where(flat, flat_min, -mn).astype(np.float32), L
+    return scale.astype(np.float32), np.where(flat, flat_min, -mn).astype(np.float32), L.T.astype(np.int32)
 
 
 def make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -106,30 +110,28 @@ def make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarr
     mx = np.take_along_axis(x, imax[:, None], axis=1)[:, 0]
     zero = amax < GROUP_MAX_EPS
     mx = np.where(zero, F32(1), mx)
-    w = x * x
-    wx = w * x
+    xt = np.ascontiguousarray(x.T)
+    w = xt * xt
+    wx = w * xt
 
     def try_scale(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        lv = np.clip(_nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
-        lf = lv.astype(np.float32)
-        return lv, _seq_sum(wx * lf), _seq_sum((w * lf) * lf)
+        lv = _round_clip(iscale * xt, -nmax, nmax - 1)
+        return lv, _seq_sum(wx * lv), _seq_sum((w * lv) * lv)
 
     lv, sumlx, suml2 = try_scale(F32(-nmax) / mx)
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(suml2 != 0, sumlx / suml2, F32(0))
-    best = scale * sumlx
-    L = lv + nmax
-    for step in range(-9, 10):
-        if step == 0:
-            continue
-        lv, sumlx, suml2 = try_scale(-(F32(nmax) + F32(0.1) * F32(step)) / mx)
-        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            new_scale = sumlx / suml2
-        L = np.where(better[:, None], lv + nmax, L)
-        scale = np.where(better, new_scale, scale)
-        best = np.where(better, scale * sumlx, best)
-    L = np.where(zero[:, None], 0, L)
+        best = scale * sumlx
+        L = lv
+        for step in range(-9, 10):
+            if step == 0:
+                continue
+            lv, sumlx, suml2 = try_scale(-(F32(nmax) + F32(0.1) * F32(step)) / mx)
+            better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+            L = np.where(better, lv, L)
+            scale = np.where(better, sumlx / suml2, scale)
+            best = np.where(better, scale * sumlx, best)
+    L = np.where(zero[:, None], 0, L.T.astype(np.int32) + nmax)
     scale = np.where(zero, F32(0), scale)
     return scale.astype(np.float32), L
 
@@ -151,7 +153,7 @@ def _q45k_common(
     """The shared part of Q4_K and Q5_K: (d bytes + dmin bytes [nb, 4], scales [nb, 12], L [nb, 256])."""
     nb = x.shape[0] // QK_K
     sub = x.reshape(nb * 8, 32)
-    sum_x2 = _seq_sum(sub * sub)
+    sum_x2 = _seq_sum(np.ascontiguousarray((sub * sub).T))
     av_x = np.sqrt(sum_x2 / F32(32))
     weights = av_x[:, None] + np.abs(sub)
     scales, mins, L = make_qkx2_quants(sub, weights, nmax, rmin, 0.1, nstep)
@@ -239,35 +241,29 @@ def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     mx = np.take_along_axis(x, imax[:, None], axis=1)[:, 0]
     zero = amax < GROUP_MAX_EPS
     mx = np.where(zero, F32(1), mx)
-    L = np.clip(_nearest_int((F32(-nmax) / mx)[:, None] * x), -nmax, nmax - 1)
-    w = x * x
-    wx = w * x
-    lf = L.astype(np.float32)
-    sumlx = _seq_sum(wx * lf)
-    suml2 = _seq_sum((w * lf) * lf)
+    xt = np.ascontiguousarray(x.T)
+    L = _round_clip((F32(-nmax) / mx) * xt, -nmax, nmax - 1)
+    w = xt * xt
+    wx = w * xt
+    sumlx = _seq_sum(wx * L)
+    suml2 = _seq_sum((w * L) * L)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         for _ in range(5):
-            for i in range(x.shape[1]):
-                li = L[:, i].astype(np.float32)
-                slx = sumlx - wx[:, i] * li
-                sl2 = suml2 - (w[:, i] * li) * li
-                new_l = np.clip(
-                    _nearest_int(np.where(slx > 0, (x[:, i] * sl2) / slx, F32(0))), -nmax, nmax - 1
-                )
-                nf = new_l.astype(np.float32)
-                slx2 = slx + wx[:, i] * nf
-                sl22 = sl2 + (w[:, i] * nf) * nf
+            for i in range(xt.shape[0]):
+                li = L[i]
+                slx = sumlx - wx[i] * li
+                sl2 = suml2 - (w[i] * li) * li
+                new_l = _round_clip(np.where(slx > 0, (xt[i] * sl2) / slx, F32(0)), -nmax, nmax - 1)
+                slx2 = slx + wx[i] * new_l
+                sl22 = sl2 + (w[i] * new_l) * new_l
                 take = (
-                    (slx > 0)
-                    & (new_l != L[:, i])
-                    & (sl22 > 0)
-                    & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22)
+                    (slx > 0) & (new_l != li) & (sl22 > 0) & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22)
                 )
-                L[:, i] = np.where(take, new_l, L[:, i])
+                L[i] = np.where(take, new_l, li)
                 sumlx = np.where(take, slx2, sumlx)
                 suml2 = np.where(take, sl22, suml2)
         scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
-    L = np.where(zero[:, None], 0, L + nmax)
+    L = np.where(zero[:, None], 0, L.T.astype(np.int32) + nmax)
     return np.where(zero, F32(0), scale).astype(np.float32), L
 
 
