@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from rsmem import settings
 from rsmem.kernels import (
     KERNEL_TYPES,
     build,
@@ -36,6 +37,26 @@ def random_blocks(qtype: Q, n: int, k: int, seed: int = 0, any_scales: bool = Fa
         for off in SCALE_OFFSETS[qtype]:
             b[:, :, off : off + 2] = d
     return torch.from_numpy(b.reshape(n, -1).copy())
+
+
+def q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` after llama.cpp's activation quantization for Q8_0/Q4_0 weights (quantize_row_q8_0: blocks of
+    32, ``d = amax / 127``, ``round(x / d)``); for the K-quants llama.cpp uses blocks of 256 (coarser)."""
+    xb = x.reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(xb / torch.where(d == 0, 1, d)) * d).reshape(x.shape)
+
+
+def assert_bf16_close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qtype: Q, k: int) -> None:
+    """The bf16 route (activations and dequantized weights rounded to bfloat16, float32 sums): its largest
+    error is at most that of llama.cpp's 8-bit activations against the exact product (measured ~2.5x
+    smaller on these inputs), and under 1e-2 of the largest output."""
+    w = dequantize_rows(blocks, qtype, k).double()
+    exact = x.double() @ w.T
+    ours = (y.double() - exact).abs().max().item()
+    llama = (q8_activations(x).double() @ w.T - exact).abs().max().item()
+    assert ours <= llama, f"bf16 route error {ours:.3g} > 8-bit activations' {llama:.3g}"
+    assert ours <= 1e-2 * exact.abs().max().item()
 
 
 def assert_f32_close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qtype: Q, k: int) -> None:
@@ -69,28 +90,41 @@ def test_native_dequantize_equals_gguf(qtype: Q) -> None:
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 8, 17, 64, 512])
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 17, 64, 512])
 def test_qmatmul_matches_reference(qtype: Q, m: int) -> None:
+    """M <= 8: float32 activations (the reference up to summation order); M >= 9: the bf16 route where the
+    CPU has AVX512-BF16, else float32 tiles."""
     n, k = 37, 512  # N odd: a last group of fewer than four weight rows
     blocks = random_blocks(qtype, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     y = qmatmul(x, blocks, qtype, k)
     assert y.shape == (m, n) and y.dtype == torch.float32
-    assert_f32_close(y, x, blocks, qtype, k)
+    ops = build.native_ops()
+    if m >= 9 and ops is not None and "bf16" in ops.isa():
+        assert_bf16_close(y, x, blocks, qtype, k)
+    else:
+        assert_f32_close(y, x, blocks, qtype, k)
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("route", [0, 1])
+@pytest.mark.parametrize("route", [0, 1, 2])
 def test_every_route_matches_reference(qtype: Q, route: int) -> None:
-    """Each C++ route at row counts it is not chosen for by default, and single weight rows."""
+    """Each C++ route (0 registers, 1 float32 tiles, 2 bf16 tiles) at row counts it is not chosen for by
+    default, single weight rows and partial tiles."""
     ops = build.native_ops()
     if ops is None:
         pytest.skip(f"kernels not built here: {build.build_error()}")
+    if route == 2 and "bf16" not in ops.isa():
+        pytest.skip("no AVX512-BF16 here: route 2 is route 1")
     k = 768
-    for n, m in ((1, 1), (6, 5), (131, 20), (64, 2)):
+    for n, m in ((1, 1), (6, 5), (131, 20), (64, 2), (9, 33), (70, 16)):
         blocks = random_blocks(qtype, n, k, seed=n)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
-        assert_f32_close(ops.qmatmul(x, blocks, int(qtype), k, route), x, blocks, qtype, k)
+        y = ops.qmatmul(x, blocks, int(qtype), k, route)
+        if route == 2:
+            assert_bf16_close(y, x, blocks, qtype, k)
+        else:
+            assert_f32_close(y, x, blocks, qtype, k)
 
 
 def test_empty_and_strided_inputs() -> None:
@@ -198,3 +232,21 @@ def test_row_bytes() -> None:
     assert row_bytes(Q.Q6_K, 256) == 210
     with pytest.raises(ValueError, match="multiple"):
         row_bytes(Q.Q5_K, 128)
+
+
+def test_portable_build_matches_reference() -> None:
+    """The code for CPUs without AVX-512 (blocks.h's scalar decoders), built here with -march=x86-64-v2 as
+    a second set of ops: routes 0 and 1 against the reference, and its dequantizer equal to gguf's."""
+    if not kernels_active():
+        pytest.skip(f"kernels not built here: {build.build_error()}")
+    _, folder = settings.kernels_setting()
+    flags = (*(f for f in build.CFLAGS if not f.startswith("-march")), "-march=x86-64-v2")
+    ops = build.build_variant("rsmem_native_portable", flags, folder)
+    assert ops.isa() == "portable"
+    for qtype in KERNEL_TYPES:
+        blocks = random_blocks(qtype, 13, 512, seed=3)
+        ref = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype))
+        assert torch.equal(ops.dequantize(blocks, int(qtype), 512), ref)
+        for m, route in ((1, 0), (6, 0), (20, 1), (20, -1)):
+            x = torch.randn(m, 512)
+            assert_f32_close(ops.qmatmul(x, blocks, int(qtype), 512, route), x, blocks, qtype, 512)

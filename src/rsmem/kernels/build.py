@@ -30,36 +30,44 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
-def _build_name() -> str:
+def _build_name(flags: tuple[str, ...]) -> str:
     """The extension's name: a hash of the sources, flags and torch version, so that a changed kernel or
     torch rebuilds instead of loading a stale library."""
     h = hashlib.sha256(torch.__version__.encode())
     for name in (*SOURCES, *HEADERS):
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(flags).encode())
     return f"rsmem_kernels_{h.hexdigest()[:12]}"
 
 
-def _build() -> Any:
+def build_variant(namespace: str, cflags: tuple[str, ...], folder: Path) -> Any:
+    """Build (or load the cached build of) the kernels with ``cflags`` as the torch ops
+    ``torch.ops.<namespace>``. :func:`native_ops` builds ``rsmem_native`` with :data:`CFLAGS`; the tests
+    also build a portable variant (no AVX-512) to check the fallback code on this machine."""
     from torch.utils import cpp_extension
 
-    enabled, folder = settings.kernels_setting()
-    if not enabled:
-        return None
-    name = _build_name()
+    flags = (*cflags, f"-DRSMEM_OPS_NS={namespace}")
+    name = _build_name(flags)
     build_dir = folder / name
     build_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=name,
         sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=list(CFLAGS),
+        extra_cflags=list(flags),
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(CSRC)],
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=False,
     )
-    return torch.ops.rsmem_native
+    return getattr(torch.ops, namespace)
+
+
+def _build() -> Any:
+    enabled, folder = settings.kernels_setting()
+    if not enabled:
+        return None
+    return build_variant("rsmem_native", CFLAGS, folder)
 
 
 def native_ops() -> Any:

@@ -1,19 +1,24 @@
 // rsmem's products with matrices held in ggml's block form: y[M, N] = x[M, K] @ W[N, K]^T, W as uint8
-// rows of blocks. Registered as torch ops rsmem_native::qmatmul / dequantize (no pybind: loaded with
-// torch.ops.load_library). Threaded with at::parallel_for over output rows (torch.set_num_threads).
+// rows of blocks. Registered as torch ops rsmem_native::qmatmul / dequantize / isa (no pybind: loaded with
+// torch.ops.load_library). Threaded with at::parallel_for over weight rows (torch.set_num_threads).
 //
 // Routes (`route` -1 chooses by M):
-//   0 "registers": each block of NR weight rows is dequantized into registers and multiplied with up to
-//     four activation rows at a time (activations stay float32: the reference's values, summation order
-//     aside). Used for M < kTileMinM.
-//   1 "tiles": tiles of kTileRows weight rows are dequantized to float32 (in cache, per thread) and
-//     multiplied with at::mm. Used for M >= kTileMinM.
+//   0 "registers" (M < kTileMinM = 9): each block of NR weight rows is dequantized into registers and
+//     multiplied with up to eight float32 activation rows at a time: the reference's values, summation
+//     order aside.
+//   2 "bf16 tiles" (M >= 9 where AVX512-BF16 is compiled in): activations rounded to bfloat16 once and
+//     packed 16 rows to a register; tiles of kTileRows weight rows dequantized to bfloat16 in cache;
+//     vdpbf16ps (exact products, float32 sums and outputs).
+//   1 "f32 tiles" (M >= 9 without AVX512-BF16): tiles dequantized to float32 and multiplied with at::mm.
+// Without AVX-512 at compile time (-march=native on another CPU) every route uses the portable scalar
+// decoders of blocks.h (routes 0 and 1 only).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "blocks.h"
@@ -21,7 +26,7 @@
 namespace rsmem {
 namespace {
 
-constexpr int64_t kTileMinM = 16;
+constexpr int64_t kTileMinM = 9;
 constexpr int64_t kTileRows = 64;
 
 // Dequantize `nb` blocks of one row into y (K floats).
@@ -90,22 +95,31 @@ inline void tile_dot(const uint8_t* w, int64_t ldw, int64_t nb, const float* x, 
 #endif
 }
 
+// All M activation rows against NR weight rows: in register tiles of NR x MR (NR * MR accumulators).
 template <class T, int NR>
 void rows_all_m(const uint8_t* w, int64_t ldw, int64_t nb, const float* x, int64_t M, int64_t K, float* y,
                 int64_t N) {
+  constexpr int MR = NR >= 4 ? 4 : 8;
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile_dot<T, NR, 4>(w, ldw, nb, x + m * K, K, y + m * N, N);
+  for (; m + MR <= M; m += MR) tile_dot<T, NR, MR>(w, ldw, nb, x + m * K, K, y + m * N, N);
+  const float* xm = x + m * K;
+  float* ym = y + m * N;
   switch (M - m) {
-    case 3: tile_dot<T, NR, 3>(w, ldw, nb, x + m * K, K, y + m * N, N); break;
-    case 2: tile_dot<T, NR, 2>(w, ldw, nb, x + m * K, K, y + m * N, N); break;
-    case 1: tile_dot<T, NR, 1>(w, ldw, nb, x + m * K, K, y + m * N, N); break;
+    case 7: tile_dot<T, NR, 7>(w, ldw, nb, xm, K, ym, N); break;
+    case 6: tile_dot<T, NR, 6>(w, ldw, nb, xm, K, ym, N); break;
+    case 5: tile_dot<T, NR, 5>(w, ldw, nb, xm, K, ym, N); break;
+    case 4: tile_dot<T, NR, 4>(w, ldw, nb, xm, K, ym, N); break;
+    case 3: tile_dot<T, NR, 3>(w, ldw, nb, xm, K, ym, N); break;
+    case 2: tile_dot<T, NR, 2>(w, ldw, nb, xm, K, ym, N); break;
+    case 1: tile_dot<T, NR, 1>(w, ldw, nb, xm, K, ym, N); break;
     default: break;
   }
 }
 
-template <class T>
-void matmul_registers(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  constexpr int NR = 4;
+// Weight rows in groups of NR (4 for M <= 4: one pass over the weights; else 2 and eight rows of x at a
+// time), and the last N % NR rows one by one.
+template <class T, int NR>
+void matmul_registers_nr(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nb = K / T::BS, ldw = nb * T::TS;
   const int64_t groups = (N + NR - 1) / NR;
   // at least ~64 KB of weights per task, so small matrices are not split into tiny pieces
@@ -120,6 +134,22 @@ void matmul_registers(const float* x, const uint8_t* w, float* y, int64_t M, int
       }
     }
   });
+}
+
+// Whether M > 4 rows go eight at a time against two weight rows (measured faster for these types; Q6_K's
+// unpacking needs more registers and is faster four at a time against four weight rows).
+template <class T>
+struct Wide : std::true_type {};
+template <>
+struct Wide<Q6_K> : std::false_type {};
+
+template <class T>
+void matmul_registers(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  if (M <= 4 || !Wide<T>::value) {
+    matmul_registers_nr<T, 4>(x, w, y, M, N, K);
+  } else {
+    matmul_registers_nr<T, 2>(x, w, y, M, N, K);
+  }
 }
 
 template <class T>
@@ -137,13 +167,133 @@ void matmul_tiles(const at::Tensor& x, const uint8_t* w, at::Tensor& y, int64_t 
   });
 }
 
+#if defined(RSMEM_AVX512) && defined(__AVX512BF16__)
+#define RSMEM_BF16 1
+// Route 2: activations rounded to bfloat16 once, packed 16 rows to a zmm (a row's two neighbouring values
+// in each 32-bit lane, [group][k / 2][16 rows]); weight tiles dequantized to bfloat16 rows in cache; the
+// products with vdpbf16ps (exact bf16 products, float32 sums and outputs).
+constexpr int kPairRows = 16;
+
+at::Tensor pack_bf16(const float* x, int64_t M, int64_t K) {
+  const int64_t groups = (M + kPairRows - 1) / kPairRows, kp = K / 2;
+  at::Tensor packed = at::zeros({groups, kp, kPairRows}, at::TensorOptions().dtype(at::kInt));
+  uint32_t* p = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    alignas(64) uint32_t pairs[16];
+    for (int64_t m = m0; m < m1; ++m) {
+      uint32_t* dst = p + (m / kPairRows) * kp * kPairRows + m % kPairRows;
+      for (int64_t k = 0; k < K; k += 32) {
+        const __m512 lo = _mm512_loadu_ps(x + m * K + k), hi = _mm512_loadu_ps(x + m * K + k + 16);
+        _mm512_store_si512(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        for (int i = 0; i < 16; ++i) dst[(k / 2 + i) * kPairRows] = pairs[i];
+      }
+    }
+  });
+  return packed;
+}
+
+// One row of blocks as bfloat16 values (rounded to nearest even).
+template <class T>
+inline void dequant_row_bf16(const uint8_t* row, int64_t nb, uint16_t* y) {
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    Scales s;
+    T::scales(row + ib * T::TS, s);
+    for (int j = 0; j < T::BS / 32; ++j) {
+      __m512 w0, w1;
+      Step<T>::get(row + ib * T::TS, s, j, w0, w1);
+      _mm512_storeu_si512(y + ib * T::BS + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+    }
+  }
+}
+
+// y[m, n0 + r] for GM groups of 16 rows m and NW weight rows r (bf16 rows of K values at w, stride K).
+template <int GM, int NW>
+inline void bf16_tile(const uint32_t* xp, int64_t group_stride, const uint16_t* w, int64_t K, float* y,
+                      int64_t ldy, int64_t rows_left) {
+  __m512 acc[GM][NW];
+  for (int g = 0; g < GM; ++g)
+    for (int r = 0; r < NW; ++r) acc[g][r] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    __m512bh xv[GM];
+    for (int g = 0; g < GM; ++g)
+      xv[g] = (__m512bh)_mm512_loadu_si512(xp + g * group_stride + kp * kPairRows);
+    for (int r = 0; r < NW; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, w + r * K + 2 * kp, 4);
+      const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int g = 0; g < GM; ++g) acc[g][r] = _mm512_dpbf16_ps(acc[g][r], xv[g], wv);
+    }
+  }
+  const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(static_cast<int>(ldy)));
+  for (int g = 0; g < GM; ++g) {
+    const int64_t valid = std::min<int64_t>(kPairRows, rows_left - g * kPairRows);
+    if (valid <= 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    for (int r = 0; r < NW; ++r)
+      _mm512_mask_i32scatter_ps(y + g * kPairRows * ldy + r, mask, idx, acc[g][r], 4);
+  }
+}
+
+template <class T>
+void matmul_bf16(const at::Tensor& x, const uint8_t* w, at::Tensor& y, int64_t M, int64_t N, int64_t K) {
+  constexpr int NW = 8;
+  const int64_t nb = K / T::BS, ldw = nb * T::TS, kp = K / 2;
+  const at::Tensor packed = pack_bf16(x.data_ptr<float>(), M, K);
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
+  const int64_t groups = packed.size(0), group_stride = kp * kPairRows;
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint16_t> tile(kTileRows * K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
+      for (int64_t r = 0; r < rows; ++r) dequant_row_bf16<T>(w + (n0 + r) * ldw, nb, tile.data() + r * K);
+      for (int64_t r0 = 0; r0 < rows; r0 += NW) {
+        const uint16_t* wt = tile.data() + r0 * K;
+        float* yt = out + n0 + r0;
+        const bool full = r0 + NW <= rows;
+        for (int64_t g = 0; g < groups; g += 2) {
+          const uint32_t* xg = xp + g * group_stride;
+          float* yg = yt + g * kPairRows * N;
+          const int64_t left = M - g * kPairRows;
+          if (full && g + 2 <= groups) {
+            bf16_tile<2, NW>(xg, group_stride, wt, K, yg, N, left);
+          } else if (full) {
+            bf16_tile<1, NW>(xg, group_stride, wt, K, yg, N, left);
+          } else {
+            for (int64_t r = r0; r < rows; ++r) {
+              for (int64_t gg = g; gg < std::min(g + 2, groups); ++gg)
+                bf16_tile<1, 1>(xp + gg * group_stride, group_stride, tile.data() + r * K, K,
+                                out + n0 + r + gg * kPairRows * N, N, M - gg * kPairRows);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+#ifdef RSMEM_BF16
+constexpr int64_t kLargeRoute = 2;
+#else
+constexpr int64_t kLargeRoute = 1;
+#endif
+
 template <class T>
 at::Tensor run(const at::Tensor& x, const at::Tensor& blocks, int64_t k, int64_t route) {
   const int64_t M = x.size(0), N = blocks.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  if (route < 0) route = M >= kTileMinM ? 1 : 0;
-  if (route == 1) {
+  if (route < 0) route = M < kTileMinM ? 0 : kLargeRoute;
+#ifdef RSMEM_BF16
+  if (route == 2) {
+    matmul_bf16<T>(x, blocks.data_ptr<uint8_t>(), y, M, N, k);
+    return y;
+  }
+#endif
+  if (route >= 1) {
     matmul_tiles<T>(x, blocks.data_ptr<uint8_t>(), y, N, k);
   } else {
     matmul_registers<T>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, k);
@@ -172,6 +322,7 @@ auto by_type(int64_t qtype, const at::Tensor& blocks, int64_t k, F&& f) {
 }
 
 at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t k, int64_t route) {
+  TORCH_CHECK(route >= -1 && route <= 2, "route must be -1 (by M), 0, 1 or 2");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == k,
               "x must be float32 [M, k]");
   const at::Tensor x = x_in.contiguous();
@@ -193,7 +344,9 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t k) {
 }
 
 std::string isa() {
-#ifdef RSMEM_AVX512
+#if defined(RSMEM_BF16)
+  return "avx512+bf16";
+#elif defined(RSMEM_AVX512)
   return "avx512";
 #else
   return "portable";
@@ -203,7 +356,12 @@ std::string isa() {
 }  // namespace
 }  // namespace rsmem
 
-TORCH_LIBRARY(rsmem_native, m) {
+// The ops' namespace: rsmem_native, or another one for a second build (the tests' portable build).
+#ifndef RSMEM_OPS_NS
+#define RSMEM_OPS_NS rsmem_native
+#endif
+
+TORCH_LIBRARY(RSMEM_OPS_NS, m) {
   m.def("qmatmul(Tensor x, Tensor blocks, int qtype, int k, int route=-1) -> Tensor", &rsmem::qmatmul);
   m.def("dequantize(Tensor blocks, int qtype, int k) -> Tensor", &rsmem::dequantize);
   m.def("isa() -> str", &rsmem::isa);
