@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
 import pytest
+import torch
 from quant_tiny_models import write_model
 
 from rsmem.cli import main
@@ -85,3 +88,25 @@ def test_convert_cli_accepts_the_quantize_types(tmp_path: Path) -> None:
     assert types == {"F32", "Q8_0"}  # the fixture's rows are 64 wide: Q6_K falls back to Q8_0
     with pytest.raises(ValueError, match="outtype must be one of"):
         convert_hf_to_gguf(HF_MAMBA2, tmp_path / "x.gguf", "q9_k")
+
+
+def _random_rwkv7() -> Callable[..., dict]:
+    """tests/rwkv's random BlinkDL RWKV-7 checkpoint (loaded by path: another folder's helper)."""
+    path = Path(__file__).resolve().parents[1] / "rwkv" / "rwkv_reference.py"
+    spec = importlib.util.spec_from_file_location("quant_rwkv_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.random_rwkv7
+
+
+def test_convert_pth_outtype_quantizes_the_f32_conversion(tmp_path: Path) -> None:
+    from rsmem.loaders import convert_blink_to_gguf
+
+    pth = tmp_path / "model.pth"
+    torch.save(_random_rwkv7()(256, 1, 300, seed=2), pth)
+    out = tmp_path / "q.gguf"
+    assert main(["convert", str(pth), str(out), "--outtype", "q4_k_m"]) == 0
+    f32 = convert_blink_to_gguf(pth, tmp_path / "f32.gguf", outtype="f32")
+    assert out.read_bytes() == quantize_gguf(f32, tmp_path / "want.gguf", "q4_k_m").read_bytes()
+    assert "Q4_K" in {t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
