@@ -250,3 +250,14 @@ def test_portable_build_matches_reference() -> None:
         for m, route in ((1, 0), (6, 0), (20, 1), (20, -1)):
             x = torch.randn(m, 512)
             assert_f32_close(ops.qmatmul(x, blocks, int(qtype), 512, route), x, blocks, qtype, 512)
+
+
+def test_loaded_kernels_serve_the_op_directly(fresh_build: pytest.MonkeyPatch) -> None:
+    """Once built, the C++ kernel is rsmem::qmatmul's CPU kernel (no Python hop a call); reset removes it."""
+    has_cpu_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    assert kernels_active()
+    assert has_cpu_kernel("rsmem::qmatmul", "CPU")
+    build.reset()
+    assert not has_cpu_kernel("rsmem::qmatmul", "CPU")
+    qmatmul(torch.randn(1, 32), random_blocks(Q.Q8_0, 2, 32), Q.Q8_0, 32)  # first use loads them again
+    assert has_cpu_kernel("rsmem::qmatmul", "CPU")

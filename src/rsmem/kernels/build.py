@@ -77,7 +77,10 @@ def native_ops() -> Any:
         with _lock:
             if "ops" not in _state:
                 try:
-                    _state["ops"] = _build()
+                    ops = _build()
+                    if ops is not None:
+                        ops.set_public(True)  # rsmem::qmatmul on CPU now calls the C++ kernel directly
+                    _state["ops"] = ops
                 except Exception as exc:  # no compiler, no ninja, a compile error: the reference twin
                     _state["ops"] = None
                     _state["error"] = exc
@@ -94,6 +97,9 @@ def reset() -> None:
     """Forget the outcome of :func:`native_ops`, so that the next call decides again (reads
     ``RSMEM_KERNELS`` again, builds or loads again, warns again on failure). For tests."""
     with _lock:
+        ops = _state.pop("ops", None)
+        if ops is not None:
+            ops.set_public(False)
         _state.clear()
 
 

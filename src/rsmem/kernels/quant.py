@@ -54,6 +54,8 @@ def kernels_active() -> bool:
 
 
 def _qmatmul_impl(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """rsmem::qmatmul until the C++ kernels are loaded (their build registers their own CPU kernel for the
+    op, which then takes CPU calls directly), and on other devices or without kernels: the reference."""
     check_matmul(x, blocks, qtype, k)
     ops = native_ops() if x.device.type == "cpu" and blocks.device.type == "cpu" else None
     if ops is None:

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -301,32 +302,64 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& blocks, int64_t k, int64_t
   return y;
 }
 
-void check(const at::Tensor& blocks, int64_t qtype, int64_t k, int64_t bs, int64_t ts) {
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
-              "blocks must be a contiguous 2-D uint8 tensor");
-  TORCH_CHECK(k > 0 && k % bs == 0, "k=", k, " is not a multiple of the block size ", bs, " of type ", qtype);
-  TORCH_CHECK(blocks.size(1) == k / bs * ts, "blocks have row_bytes=", blocks.size(1), ", type ", qtype,
-              " needs ", k / bs * ts);
+// The checks of rsmem.kernels.formats (same order, same messages), raised as Python ValueErrors.
+template <class T>
+void check(const at::Tensor& blocks, int64_t k, const char* name) {
+  TORCH_CHECK_VALUE(k > 0 && k % T::BS == 0, "k=", k, " is not a positive multiple of ", name,
+                    "'s block size ", T::BS);
+  TORCH_CHECK_VALUE(blocks.scalar_type() == at::kByte && blocks.dim() == 2,
+                    "blocks must be a 2-D uint8 tensor [N, row_bytes], got ", blocks.scalar_type(),
+                    " of shape ", blocks.sizes());
+  TORCH_CHECK_VALUE(blocks.size(1) == k / T::BS * T::TS, "blocks have row_bytes=", blocks.size(1), ", but ",
+                    name, " rows of k=", k, " values take ", k / T::BS * T::TS, " bytes");
+  TORCH_CHECK_VALUE(blocks.is_contiguous(), "blocks must be contiguous (rows as the GGUF stores them)");
 }
 
 template <class F>
 auto by_type(int64_t qtype, const at::Tensor& blocks, int64_t k, F&& f) {
   switch (qtype) {
-    case kQ8_0: check(blocks, qtype, k, Q8_0::BS, Q8_0::TS); return f(Q8_0{});
-    case kQ4_0: check(blocks, qtype, k, Q4_0::BS, Q4_0::TS); return f(Q4_0{});
-    case kQ4_K: check(blocks, qtype, k, Q4_K::BS, Q4_K::TS); return f(Q4_K{});
-    case kQ5_K: check(blocks, qtype, k, Q5_K::BS, Q5_K::TS); return f(Q5_K{});
-    case kQ6_K: check(blocks, qtype, k, Q6_K::BS, Q6_K::TS); return f(Q6_K{});
-    default: TORCH_CHECK(false, "qtype ", qtype, " has no kernel");
+    case kQ8_0: check<Q8_0>(blocks, k, "Q8_0"); return f(Q8_0{});
+    case kQ4_0: check<Q4_0>(blocks, k, "Q4_0"); return f(Q4_0{});
+    case kQ4_K: check<Q4_K>(blocks, k, "Q4_K"); return f(Q4_K{});
+    case kQ5_K: check<Q5_K>(blocks, k, "Q5_K"); return f(Q5_K{});
+    case kQ6_K: check<Q6_K>(blocks, k, "Q6_K"); return f(Q6_K{});
+    default: TORCH_CHECK_VALUE(false, "qtype ", qtype, " has no kernel (kernel types: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)");
   }
 }
 
 at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t k, int64_t route) {
-  TORCH_CHECK(route >= -1 && route <= 2, "route must be -1 (by M), 0, 1 or 2");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == k,
-              "x must be float32 [M, k]");
-  const at::Tensor x = x_in.contiguous();
-  return by_type(qtype, blocks, k, [&](auto t) { return run<decltype(t)>(x, blocks, k, route); });
+  TORCH_CHECK_VALUE(route >= -1 && route <= 2, "route must be -1 (by M), 0, 1 or 2");
+  return by_type(qtype, blocks, k, [&](auto t) {
+    TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == k,
+                      "x must be a float32 [M, ", k, "] tensor, got ", x_in.scalar_type(), " of shape ",
+                      x_in.sizes());
+    TORCH_CHECK_VALUE(x_in.device().is_cpu() && blocks.device().is_cpu(), "x and blocks must be on the CPU");
+    return run<decltype(t)>(x_in.contiguous(), blocks, k, route);
+  });
+}
+
+at::Tensor qmatmul_public(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t k) {
+  return qmatmul(x, blocks, qtype, k, -1);
+}
+
+// The CPU kernel of the public op rsmem::qmatmul (defined in Python, rsmem.kernels.quant), registered
+// while `on`: calls then go straight here instead of through the Python implementation. Destroying the
+// Library object removes the registration (for RSMEM_KERNELS=0 decided again, and the tests).
+std::unique_ptr<torch::Library>& public_registration() {
+  static std::unique_ptr<torch::Library> lib;
+  return lib;
+}
+
+bool set_public(bool on) {
+  auto& lib = public_registration();
+  if (on && !lib) {
+    lib = std::make_unique<torch::Library>(torch::Library::IMPL, "rsmem", c10::DispatchKey::CPU, __FILE__,
+                                           __LINE__);
+    lib->impl("qmatmul", TORCH_FN(qmatmul_public));
+  } else if (!on) {
+    lib.reset();
+  }
+  return static_cast<bool>(lib);
 }
 
 at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t k) {
@@ -365,4 +398,5 @@ TORCH_LIBRARY(RSMEM_OPS_NS, m) {
   m.def("qmatmul(Tensor x, Tensor blocks, int qtype, int k, int route=-1) -> Tensor", &rsmem::qmatmul);
   m.def("dequantize(Tensor blocks, int qtype, int k) -> Tensor", &rsmem::dequantize);
   m.def("isa() -> str", &rsmem::isa);
+  m.def("set_public(bool on) -> bool", &rsmem::set_public);
 }
