@@ -9,9 +9,11 @@ each checkpoint in an **entry** file of the same format, with its key tokens in 
 Layout, little-endian::
 
     header
-      u32 magic 0x6b637372 ('rsck')    u32 version (1)     u32 kind (1: companion, 2: entry)
+      u32 magic 0x6b637372 ('rsck')    u32 version (1; 2: a hybrid memory's, with KV rows)
+      u32 kind (1: companion, 2: entry)
       u32 state type (ggml: 0 F32, 1 F16, 30 BF16)         u32 n_layer
       n_layer x (u32 r_width, u32 s_width)                 values per row; 0: the layer keeps no rows
+      version 2: the KV layout (:mod:`rsmem.memory.checkpoint_kv`)
       32 bytes model fingerprint                           (:func:`model_fingerprint`)
       u32 n_key, 32 bytes sha256 of the key tokens (u32 each)
           companion: the key is the sequence file's tokens (not repeated here)
@@ -26,6 +28,7 @@ Layout, little-endian::
       rows: every layer's r row, then every layer's s row (layers without rows skipped), each
           exact: width values of the state type;  bf16: width bf16 values;
           int8: ceil(width/32) blocks of 32 int8, then as many f32 scales (value = q * scale)
+      version 2: the KV rows (positions, then each attention layer's K and V rows in the codec)
       u32 crc32 of the record from n_tokens through the rows
 
 Every size follows from the header and the codec, and is checked. Reading is two-phase:
@@ -40,18 +43,31 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from rsmem.errors import StateFormatError
-from rsmem.memory.checkpoint import INT8_BLOCK, Checkpoint, Encoded
+from rsmem.memory.checkpoint import Checkpoint, Encoded
+from rsmem.memory.checkpoint_kv import (
+    KVDims,
+    array_sizes,
+    decode_array,
+    kv_record_bytes,
+    kv_size,
+    pack_dims,
+    parse_kv,
+    read_dims,
+    tensor_bytes,
+)
+from rsmem.memory.hybrid import HybridMemory
 from rsmem.memory.recurrent import RecurrentMemory
 from rsmem.memory.state_io import DTYPE_OF_GGML_TYPE, GGML_TYPE_NAMES, GGML_TYPE_OF_DTYPE, Reader
 
 MAGIC = 0x6B637372  # b"rsck" as a little-endian u32
-VERSION = 1
+VERSION = 1  # recurrent memories; a hybrid memory's files are version 2 (with KV rows)
+VERSION_KV = 2
 KIND_COMPANION = 1
 KIND_ENTRY = 2
 CODEC_IDS = {"exact": 0, "bf16": 1, "int8": 2}
@@ -67,20 +83,33 @@ class CheckpointFileError(StateFormatError):
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """The shape of one sequence's state: the state type and each layer's (r, s) row widths."""
+    """The shape of one sequence's state: the state type and each layer's (r, s) row widths; a hybrid
+    memory's also the KV cache's type and its attention layers' (layer, n_embd_k, n_embd_v)."""
 
     state_type: int
     widths: tuple[tuple[int, int], ...]
+    kv_type: int = 0
+    kv: KVDims = ()
 
     @classmethod
-    def of(cls, memory: RecurrentMemory) -> Layout:
+    def of(cls, memory: RecurrentMemory | HybridMemory) -> Layout:
         def width(t: torch.Tensor | None) -> int:
             return 0 if t is None else int(t.shape[1])
 
-        return cls(
-            GGML_TYPE_OF_DTYPE[memory.dtype],
-            tuple((width(r), width(s)) for r, s in zip(memory.r_l, memory.s_l, strict=True)),
-        )
+        recurrent = memory.recurrent if isinstance(memory, HybridMemory) else memory
+        widths = tuple((width(r), width(s)) for r, s in zip(recurrent.r_l, recurrent.s_l, strict=True))
+        if not isinstance(memory, HybridMemory):
+            return cls(GGML_TYPE_OF_DTYPE[recurrent.dtype], widths)
+        dims = tuple((il, dk, dv) for il, (dk, dv) in memory.kv.layer_dims.items())
+        return cls(GGML_TYPE_OF_DTYPE[recurrent.dtype], widths, GGML_TYPE_OF_DTYPE[memory.kv.dtype], dims)
+
+    @property
+    def version(self) -> int:
+        return VERSION_KV if self.kv else VERSION
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return DTYPE_OF_GGML_TYPE[self.kv_type]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -92,7 +121,8 @@ class Layout:
 
     def pack(self) -> bytes:
         flat = [v for pair in self.widths for v in pair]
-        return struct.pack(f"<II{len(flat)}I", self.state_type, len(self.widths), *flat)
+        head = struct.pack(f"<II{len(flat)}I", self.state_type, len(self.widths), *flat)
+        return head + (pack_dims(self.kv_type, self.kv) if self.kv else b"")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +189,13 @@ def entry_bytes(layout: Layout, fingerprint: bytes, tokens: Sequence[int], ckpt:
     return head + _record_bytes(layout, len(tokens), ckpt, len(tokens))
 
 
-def entry_size(layout: Layout, n_tokens: int, codec: str) -> int:
-    """The bytes :func:`entry_bytes` writes for a key of ``n_tokens`` tokens in ``codec``."""
-    header = 20 + 8 * len(layout.widths) + DIGEST_BYTES + 4 + DIGEST_BYTES + 4 * n_tokens + 8
-    rows = sum(d + s for d, s in (_array_sizes(w, codec, layout.dtype) for w in layout.arrays()))
-    return header + 8 + 12 + rows + 4
+def entry_size(layout: Layout, n_tokens: int, codec: str, n_kv_positions: int = 0) -> int:
+    """The bytes :func:`entry_bytes` writes for a key of ``n_tokens`` tokens in ``codec`` (a hybrid's
+    checkpoint holding ``n_kv_positions`` KV positions)."""
+    header = len(layout.pack()) + 12 + DIGEST_BYTES + 4 + DIGEST_BYTES + 4 * n_tokens + 8
+    rows = sum(d + s for d, s in (array_sizes(w, codec, layout.dtype) for w in layout.arrays()))
+    kv = kv_size(layout.kv, n_kv_positions, codec, layout.kv_dtype) if layout.kv else 0
+    return header + 8 + 12 + rows + kv + 4
 
 
 def _header_bytes(
@@ -173,7 +205,7 @@ def _header_bytes(
         raise ValueError(f"a fingerprint is {DIGEST_BYTES} bytes, got {len(fingerprint)}")
     toks = [int(t) for t in tokens]
     parts = [
-        struct.pack("<III", MAGIC, VERSION, kind),
+        struct.pack("<III", MAGIC, layout.version, kind),
         layout.pack(),
         fingerprint,
         struct.pack("<I", len(toks)),
@@ -188,15 +220,19 @@ def _header_bytes(
 def _record_bytes(layout: Layout, n_tokens: int, ckpt: Checkpoint, n_key: int) -> bytes:
     if not 1 <= n_tokens <= n_key:
         raise ValueError(f"a record folds 1 to {n_key} tokens, got {n_tokens}")
-    rows = [e for e in (*ckpt.r_rows, *ckpt.s_rows) if e is not None]
+    rows = [e for e in (*ckpt.r_rows, *ckpt.s_rows) if e is not None and _width(e)]  # LFM2's s rows: none
     widths = layout.arrays()
     if [_width(e) for e in rows] != widths or ckpt.codec not in CODEC_IDS:
         raise ValueError("the checkpoint does not fit this layout")
+    if (ckpt.kv is None) != (not layout.kv):
+        raise ValueError("the checkpoint's KV rows do not fit this layout (hybrid or not)")
     parts = [struct.pack("<IiI", n_tokens, ckpt.pos, CODEC_IDS[ckpt.codec])]
     for e in rows:
-        parts.append(_tensor_bytes(e.data))
+        parts.append(tensor_bytes(e.data))
         if e.scales is not None:
-            parts.append(_tensor_bytes(e.scales))
+            parts.append(tensor_bytes(e.scales))
+    if ckpt.kv is not None:
+        parts.append(kv_record_bytes(ckpt.kv, layout.kv))
     body = b"".join(parts)
     return struct.pack("<Q", len(body) + 4) + body + struct.pack("<I", zlib.crc32(body))
 
@@ -206,10 +242,6 @@ def _width(e: Encoded) -> int:
     for d in e.shape:
         n *= d
     return n
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
 
 
 # ---------------------------------------------------------------- reading
@@ -230,11 +262,22 @@ def read_header(read: Callable[[int], bytes]) -> Header:
     magic, version, kind, state_type, n_layer = take(20, "the header").unpack("IIIII", "the header")
     if magic != MAGIC:
         raise CheckpointFileError(f"magic is {magic:#010x}, expected {MAGIC:#010x} (not a checkpoint file)")
-    if version != VERSION:
-        raise CheckpointFileError(f"version {version} is not supported (this reads version {VERSION})")
+    if version not in (VERSION, VERSION_KV):
+        raise CheckpointFileError(
+            f"version {version} is not supported (this reads {VERSION} and {VERSION_KV})"
+        )
     if kind not in (KIND_COMPANION, KIND_ENTRY) or n_layer > MAX_LAYERS:
         raise CheckpointFileError(f"corrupt header: kind {kind}, {n_layer} layers")
     flat = take(8 * n_layer, "the layer widths").unpack(f"{2 * n_layer}I", "the layer widths")
+    kv_type: int = 0
+    kv_dims: KVDims = ()
+    if version == VERSION_KV:
+        try:
+            kv_type, kv_dims = read_dims(lambda n, what: take(4 * n, what).unpack(f"{n}I", what))
+        except StateFormatError as exc:
+            raise CheckpointFileError(str(exc)) from None
+        if not kv_dims or kv_type not in DTYPE_OF_GGML_TYPE:
+            raise CheckpointFileError(f"corrupt header: KV type {kv_type}, {len(kv_dims)} attention layers")
     fingerprint = bytes(take(DIGEST_BYTES, "the fingerprint").take(DIGEST_BYTES, "the fingerprint"))
     n_key = take(4, "the key length").u32("the key length")
     if n_key > MAX_KEY_TOKENS:
@@ -250,7 +293,7 @@ def read_header(read: Callable[[int], bytes]) -> Header:
     if kind == KIND_ENTRY and (token_digest(key) != digest or n_records != 1):
         raise CheckpointFileError("corrupt entry header: its tokens do not match their digest")
     widths = tuple((int(flat[2 * i]), int(flat[2 * i + 1])) for i in range(n_layer))
-    layout = Layout(int(state_type), widths)
+    layout = Layout(int(state_type), widths, kv_type, kv_dims)
     return Header(kind, layout, fingerprint, n_key, digest, key, n_records, len(buf))
 
 
@@ -323,16 +366,16 @@ def _parse_record(reader: Reader, layout: Layout, n_key: int, i: int) -> tuple[i
             f"record {i}: codec {codec_id}, {n_tokens} tokens of {n_key}, pos {ckpt_pos}"
         )
     widths = layout.arrays()
-    sizes = [_array_sizes(w, codec, layout.dtype) for w in widths]
+    sizes = [array_sizes(w, codec, layout.dtype) for w in widths]
     expected = 12 + sum(d + s for d, s in sizes)
-    if len(body) != expected:
+    if len(body) != expected and not (layout.kv and len(body) > expected):
         raise CheckpointFileError(
             f"record {i}: {len(body)} bytes, {codec} rows of this memory need {expected}"
         )
     rows: list[Encoded] = []
     offset = 12
     for w, (d_bytes, s_bytes) in zip(widths, sizes, strict=True):
-        data, scales = _decode_array(
+        data, scales = decode_array(
             body[offset : offset + d_bytes + s_bytes], w, d_bytes, codec, layout.dtype
         )
         if not bool(torch.isfinite(data.to(torch.float32) if scales is None else scales).all()):
@@ -341,30 +384,20 @@ def _parse_record(reader: Reader, layout: Layout, n_key: int, i: int) -> tuple[i
         offset += d_bytes + s_bytes
     n_r = sum(1 for w, _ in layout.widths if w)
     r_it, s_it = iter(rows[:n_r]), iter(rows[n_r:])
-    r_rows = tuple(next(r_it) if w else None for w, _ in layout.widths)
-    s_rows = tuple(next(s_it) if w else None for _, w in layout.widths)
-    return int(n_tokens), Checkpoint(int(ckpt_pos), codec, r_rows, s_rows)
+    empty = Encoded(torch.empty(1, 0, dtype=layout.dtype), None, (1, 0), layout.dtype)
 
+    def row(w: int, kept: bool, it: Iterator[Encoded]) -> Encoded | None:
+        return next(it) if w else empty if kept else None  # a kept layer's zero-width rows stay
 
-def _array_sizes(width: int, codec: str, dtype: torch.dtype) -> tuple[int, int]:
-    """Bytes of one row's data and scales in ``codec``."""
-    if codec == "exact":
-        return width * torch.finfo(dtype).bits // 8, 0
-    if codec == "bf16":
-        return width * 2, 0
-    blocks = -(-width // INT8_BLOCK)
-    return blocks * INT8_BLOCK, blocks * 4
-
-
-def _decode_array(
-    raw: memoryview, width: int, d_bytes: int, codec: str, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    buf = bytearray(raw)
-    if codec == "int8":
-        data = torch.frombuffer(buf[:d_bytes], dtype=torch.int8).view(-1, INT8_BLOCK)
-        return data, torch.frombuffer(buf[d_bytes:], dtype=torch.float32)
-    stored = dtype if codec == "exact" else torch.bfloat16
-    return torch.frombuffer(buf, dtype=stored).view(1, width), None
+    r_rows = tuple(row(r, bool(r or s), r_it) for r, s in layout.widths)
+    s_rows = tuple(row(s, bool(r or s), s_it) for r, s in layout.widths)
+    kv = None
+    if layout.kv:
+        try:
+            kv = parse_kv(body, expected, layout.kv, codec, layout.kv_dtype, int(ckpt_pos), f"record {i}")
+        except StateFormatError as exc:
+            raise CheckpointFileError(str(exc)) from None
+    return int(n_tokens), Checkpoint(int(ckpt_pos), codec, r_rows, s_rows, kv)
 
 
 def _describe(layout: Layout) -> str:
