@@ -173,15 +173,6 @@ def test_prefix_cache_serves_a_shared_prompt_with_the_same_tokens(model):
     assert engine.snapshot().checkpoint_restores >= 2
 
 
-def test_a_hybrid_prefix_cache_keeps_no_files(lfm2, tmp_path, caplog):
-    engine = engine_for(lfm2, n_seq_max=2, cache_bytes=1 << 24, cache_dir=tmp_path / "cache")
-    assert engine.checkpoints is not None and engine.checkpoints.disk is None
-    assert "not used" in caplog.text
-    run(engine, seq(1, 20), slot=0)
-    engine.slot_save(0, str(tmp_path / "s.ggsq"))
-    assert (tmp_path / "s.ggsq").exists() and not (tmp_path / "s.ggsq.ckpt").exists()
-
-
 # ------------------------------------------------------- the KV limit
 
 

@@ -181,7 +181,8 @@ class DiskCache:
         """Keep ``ckpt`` as the checkpoint after ``tokens`` (replacing the file of the same key), written
         in the background; False when it does not fit the budget."""
         key = [int(t) for t in tokens]
-        size = cf.entry_size(self.layout, len(key), ckpt.codec)
+        n_kv = 0 if ckpt.kv is None else len(ckpt.kv.positions)  # a hybrid's KV prefix
+        size = cf.entry_size(self.layout, len(key), ckpt.codec, n_kv)
         if size > self.tree.budget_bytes:
             return False
         with self._pending_lock:

@@ -25,10 +25,10 @@ disk, and a disk entry's rows are read only when it is the one restored (it then
 Saved slots and sessions carry the checkpoints along their tokens (:meth:`CheckpointCache.along`, written
 by :mod:`rsmem.engine.kept`), and restoring them adds those back (:meth:`CheckpointCache.add`).
 
-A hybrid model's checkpoints (recurrent rows and the KV prefix, see :mod:`rsmem.memory.checkpoint`) stay
-in RAM: the checkpoint file format holds recurrent rows only, so a hybrid cache has no ``cache_dir`` (one
-log line says it is not used), writes no companions (:meth:`along` is empty) and refuses checkpoints
-without KV rows (:meth:`add`).
+A hybrid model's checkpoints (recurrent rows and the KV prefix, see :mod:`rsmem.memory.checkpoint`) go to
+the cache dir with their KV rows (version 2 files, :mod:`rsmem.memory.checkpoint_kv`); saved slots and
+sessions of a hybrid get no companions (:meth:`along` is empty), and checkpoints without KV rows are
+refused (:meth:`add`).
 """
 
 from __future__ import annotations
@@ -53,11 +53,10 @@ log = logging.getLogger("rsmem.checkpoints")
 
 
 def _layout(memory: SequenceMemory) -> cf.Layout:
-    """The recurrent rows' layout (a hybrid's recurrent part)."""
-    recurrent = memory.recurrent if isinstance(memory, HybridMemory) else memory
-    if not isinstance(recurrent, RecurrentMemory):
+    """The layout of the memory's checkpoints (a hybrid's: recurrent rows and KV layers)."""
+    if not isinstance(memory, (RecurrentMemory, HybridMemory)):
         raise TypeError(f"a prefix cache over a {type(memory).__name__} is not supported")
-    return cf.Layout.of(recurrent)
+    return cf.Layout.of(memory)
 
 
 @dataclass(slots=True)
@@ -98,10 +97,7 @@ class CheckpointCache:
         self.stats = CheckpointStats()
         self.layout = _layout(memory)
         self.fingerprint = fingerprint
-        self.hybrid = isinstance(memory, HybridMemory)  # checkpoints with KV rows: RAM only
-        if cache_dir is not None and self.hybrid:
-            log.warning("cache dir %s not used: a hybrid model's checkpoints are kept in RAM only", cache_dir)
-            cache_dir = None
+        self.hybrid = isinstance(memory, HybridMemory)  # checkpoints with KV rows
         self.disk = None if cache_dir is None else DiskCache(cache_dir, self.layout, fingerprint, disk_bytes)
 
     @classmethod
