@@ -23,3 +23,14 @@ class BenchArch:
     build: Callable[[Path], Path]
     columns: Columns | None = None
     rows: tuple[str, ...] = ()
+
+
+def row_shape(row: str) -> tuple[int, int]:
+    """A row's sequence count and the context each sequence holds before the timed steps: ``"decode8"``
+    is ``(8, 0)``, ``"decode1@4096"`` ``(1, 4096)`` (the context is one sequence's prompt, so only
+    one-sequence rows take one)."""
+    seqs, _, context = row.removeprefix("decode").partition("@")
+    n, c = int(seqs), int(context or 0)
+    if c and n != 1:
+        raise ValueError(f"row {row!r}: only one-sequence rows take a context")
+    return n, c

@@ -21,6 +21,8 @@ transformers' Mamba-2 has no fast CPU path (its decode at 64 sequences takes min
 programs (started before the row, stopped after it), and adds a table of the busy figures and of the share
 of its own quiet throughput each program keeps (median of per-round busy/quiet ratios). rsmem runs with
 the wait policy ``import rsmem`` sets (``rsmem.threads``; imported before torch here for that reason).
+``--weights f32,q8_0,q4_k_m`` measures each 130M model also quantized, by llama.cpp's own quantizer
+(``llama_model_quantize`` in the ``--llama-python`` venv), with both programs' resident memory.
 ``--gguf FILE`` (repeatable) measures existing files too, e.g. the embedded model; ``--skip-130m`` only them.
 
 Other architectures come from ``bench/archs_*.py`` modules (``ARCHS``: see ``bench/bench_arch.py``): their
@@ -50,64 +52,10 @@ import torch
 # isort: on
 
 sys.path.insert(0, str(Path(__file__).parent))  # the architecture modules beside this script
-from bench_arch import BenchArch
+from bench_arch import BenchArch, row_shape
+from llama_side import LlamaWorker, llama_quantize, rsmem_resident
 
 DECODE_SEQS = (1, 8, 64)
-
-# A worker: loads the model once, then answers one measurement a line ("prefill" or "decode N") on stdin.
-LLAMA_WORKER = r"""
-import json, sys, time
-import llama_cpp as L
-path, n_prompt, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-L.llama_backend_init()
-model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
-cp = L.llama_context_default_params()
-cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 8192, max(n_prompt, 64), max(n_prompt, 64), 64
-cp.kv_unified = True  # attention layers: one KV stream of 8192 cells, so one sequence can hold 4096+
-cp.n_threads = cp.n_threads_batch = threads
-ctx = L.llama_init_from_model(model, cp)
-mem = L.llama_get_memory(ctx)
-batch = L.llama_batch_init(max(n_prompt, 64), 0, 1)
-n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-def decode(entries):
-    batch.n_tokens = len(entries)
-    for i, (t, p, s, out) in enumerate(entries):
-        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, p, 1, out
-        batch.seq_id[i][0] = s
-    assert L.llama_decode(ctx, batch) == 0
-prompt = [(7 * i) % min(50000, n_vocab - 1) + 1 for i in range(n_prompt)]
-def prefill():
-    L.llama_memory_clear(mem, True)
-    t0 = time.perf_counter(); decode([(t, i, 0, i == n_prompt - 1) for i, t in enumerate(prompt)])
-    return n_prompt / (time.perf_counter() - t0)
-def decode_n(n, context):
-    L.llama_memory_clear(mem, True)
-    for i in range(0, context, n_prompt):  # a long context first (one sequence), in chunks of n_batch
-        decode([((7 * p) % 1000 + 1, p, 0, False) for p in range(i, min(i + n_prompt, context))])
-    decode([(5, context, s, True) for s in range(n)])
-    decode([(6, context + 1, s, True) for s in range(n)])  # warm-up step
-    t0 = time.perf_counter()
-    for k in range(context + 2, context + steps + 2):
-        decode([((s + k) % 1000 + 1, k, s, True) for s in range(n)])
-    return n * steps / (time.perf_counter() - t0)
-prefill()  # warm-up
-print("ready", flush=True)
-for line in sys.stdin:
-    cmd = line.split()
-    out = prefill() if cmd[0] == "prefill" else decode_n(int(cmd[1]), int(cmd[2]))
-    print(json.dumps(out), flush=True)
-"""
-
-
-def row_shape(row: str) -> tuple[int, int]:
-    """A row's sequence count and the context each sequence holds before the timed steps: ``"decode8"``
-    is ``(8, 0)``, ``"decode1@4096"`` ``(1, 4096)`` (the context is one sequence's prompt, so only
-    one-sequence rows take one)."""
-    seqs, _, context = row.removeprefix("decode").partition("@")
-    n, c = int(seqs), int(context or 0)
-    if c and n != 1:
-        raise ValueError(f"row {row!r}: only one-sequence rows take a context")
-    return n, c
 
 
 def hf_config(arch: str):
@@ -178,6 +126,7 @@ class RsmemRunner:
 
     def __init__(self, path: Path, n_prompt: int, steps: int, compile_setting: str, threads: int) -> None:
         self.model = rsmem.load_model(path, compile=compile_setting, n_threads=threads)
+        self.resident = rsmem_resident(path)  # measured in a fresh process
         self.n_prompt, self.steps = n_prompt, steps
         self.prompt = [(7 * i) % min(50000, self.model.n_vocab - 1) + 1 for i in range(n_prompt)]
 
@@ -211,36 +160,6 @@ class RsmemRunner:
         pass
 
 
-class LlamaWorker:
-    """llama.cpp's side: a llama-cpp-python process (another venv) that keeps the model loaded."""
-
-    def __init__(self, python: str, path: Path, n_prompt: int, steps: int, threads: int) -> None:
-        args = [python, "-c", LLAMA_WORKER, str(path), str(n_prompt), str(steps), str(threads)]
-        self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-        if self._line() != "ready":
-            raise RuntimeError("llama.cpp worker did not start")
-
-    def _line(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"llama.cpp worker exited with {self.proc.wait()}")
-        return line.strip()
-
-    def measure(self, row: str) -> float:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("prefill\n" if row == "prefill" else "decode {} {}\n".format(*row_shape(row)))
-        self.proc.stdin.flush()
-        return float(json.loads(self._line()))
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-
-
 @torch.inference_mode()
 def bench_transformers(hf_model, n_prompt: int, steps: int) -> dict[str, float]:
     res = {}
@@ -270,6 +189,8 @@ class ArchResult:
     compiled: bool = False
     flops_per_token: int = 0
     rows: list[str] = field(default_factory=list)  # the rows measured (``--rows`` plus the arch's own)
+    resident: dict[str, int] = field(default_factory=dict)  # program -> resident bytes the model took
+    file_bytes: int = 0
     busy: ArchResult | None = None  # --contention: the same rows beside one CPU-bound process
     kept: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # name -> row -> busy/quiet
 
@@ -282,11 +203,12 @@ class ArchResult:
         return f"{min(r):.2f}-{max(r):.2f}" if r else ""
 
 
-def bench_arch(arch: str, args: argparse.Namespace) -> ArchResult:
+def bench_arch(arch: str, args: argparse.Namespace) -> dict[str, ArchResult]:
     """Build the random model, convert it, then measure every row ``args.rounds`` times, rsmem and
-    llama.cpp back to back each time (this machine's memory bandwidth drifts by 2x within a minute)."""
+    llama.cpp back to back each time (this machine's memory bandwidth drifts by 2x within a minute); one
+    result per ``--weights`` type (``"f32"``, or a file llama.cpp's quantizer made from the f32 one)."""
     if arch in EXTRA_ARCHS:
-        return bench_extra_arch(EXTRA_ARCHS[arch], args)
+        return {"f32": bench_extra_arch(EXTRA_ARCHS[arch], args)}
     from transformers import Mamba2ForCausalLM, MambaForCausalLM
 
     skip_hf = args.no_transformers or (arch == "mamba2" and args.no_transformers_mamba2)
@@ -299,10 +221,25 @@ def bench_arch(arch: str, args: argparse.Namespace) -> ArchResult:
         hf_model.save_pretrained(folder)
         write_byte_tokenizer(folder, hf_model.config.vocab_size)
         gguf_path = rsmem.convert(folder, Path(tmp) / "model-f32.gguf", "f32")
-        if not skip_hf:
+        if not skip_hf and "f32" in args.weights:
             result.cols["transformers"] = bench_transformers(hf_model, args.prompt, max(4, args.steps // 2))
         del hf_model
-        return measure_file(gguf_path, args, result)
+        results = {}
+        for weights in args.weights:
+            path = gguf_path
+            if weights != "f32":
+                path = quantized_file(gguf_path, Path(tmp) / f"model-{weights}.gguf", weights, args)
+            results[weights] = measure_file(path, args, result if weights == "f32" else ArchResult())
+        return results
+
+
+def quantized_file(src: Path, dst: Path, ftype: str, args: argparse.Namespace) -> Path:
+    """``src`` quantized to ``ftype`` by llama.cpp's quantizer (``--llama-python``), else by rsmem's."""
+    if args.llama_python:
+        return llama_quantize(args.llama_python, src, dst, ftype)
+    from rsmem.loaders.quantize import quantize_gguf
+
+    return quantize_gguf(src, dst, ftype)
 
 
 def bench_extra_arch(spec: BenchArch, args: argparse.Namespace) -> ArchResult:
@@ -355,6 +292,8 @@ def measure_file(gguf_path: Path, args: argparse.Namespace, result: ArchResult) 
                 for name in runners:
                     share = got["busy"][name] / got["quiet"][name]
                     result.kept.setdefault(name, {}).setdefault(row, []).append(share)
+    result.resident = {name: runner.resident for name, runner in runners.items()}
+    result.file_bytes = gguf_path.stat().st_size
     for runner in runners.values():
         runner.close()
     for mode, res in modes.items():
@@ -399,9 +338,11 @@ def print_contention(arch: str, res: ArchResult, args: argparse.Namespace) -> No
         print(line, flush=True)
 
 
-def print_arch(arch: str, res: ArchResult, args: argparse.Namespace, ceilings: dict[int, float]) -> None:
+def print_arch(
+    arch: str, res: ArchResult, args: argparse.Namespace, ceilings: dict[int, float], weights: str = "f32"
+) -> None:
     compiled = "rsmem decode compiled" if res.compiled else "rsmem decode eager"
-    title = arch if arch.endswith(".gguf") else f"{arch} 130M, f32"
+    title = arch if arch.endswith(".gguf") else f"{arch} 130M, {weights}"
     print(f"\n{title}, {args.threads} threads, {compiled}, median of {args.rounds} rounds: tokens/s")
     names = [n for n in ("rsmem", "transformers", "llama.cpp") if n in res.cols]
     header = "".join(f"{c:>14}" for c in names)
@@ -413,6 +354,8 @@ def print_arch(arch: str, res: ArchResult, args: argparse.Namespace, ceilings: d
         ceiling = f"{gflops / ceilings[rows]:12.0%}" if rows in ceilings else ""
         line += f"{res.ratio(row):13.2f}{res.spread(row):>12}{ceiling}"
         print(line, flush=True)
+    memory = ", ".join(f"{name} {b / 1e6:.0f} MB" for name, b in res.resident.items())
+    print(f"resident memory the model took: {memory}; file {res.file_bytes / 1e6:.0f} MB")
     if res.busy is not None:
         print_contention(arch, res, args)
 
@@ -458,6 +401,13 @@ def main() -> None:
         "python -c 'import rsmem.engine as e; print(e.default_model_path())')",
     )
     ap.add_argument("--skip-130m", action="store_true", help="only the --gguf files")
+    ap.add_argument(
+        "--weights",
+        type=lambda v: v.split(","),
+        default=["f32"],
+        help="comma-separated: f32 and llama.cpp ftypes (q8_0, q4_0, q4_k_m, q5_k_m, q6_k): each 130M model "
+        "also quantized by llama.cpp's quantizer (rsmem's without --llama-python), measured the same way",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -467,8 +417,11 @@ def main() -> None:
     archs = [] if args.skip_130m else ["mamba", "mamba2"] if args.arch == "both" else [args.arch]
     results = {}
     for arch in archs:
-        results[arch] = bench_arch(arch, args)
-        print_arch(arch, results[arch], args, ceilings)
+        by_weights = bench_arch(arch, args)
+        for weights, res in by_weights.items():
+            print_arch(arch, res, args, ceilings, weights)
+        if "f32" in by_weights:
+            results[arch] = by_weights["f32"]
     if len(results) > 1:
         print_side_by_side(results, args)
     for path in map(Path, args.gguf):  # the ceiling column is for d_model 768 products: left out here
