@@ -16,11 +16,11 @@ from rsmem.loaders.rwkv import RWKV_ARCHS
 from rsmem.loaders.rwkv import config_from_gguf as rwkv_config_from_gguf
 from rsmem.loaders.tensor_types import keeps_quantized, load_tensors, open_reader
 from rsmem.loaders.tokenizer import tokenizer_data_from_gguf
-from rsmem.models.ops.quantized import QuantMatrix
 from rsmem.models.lfm2 import Lfm2Config
 from rsmem.models.mamba import MambaConfig
 from rsmem.models.mamba2 import Mamba2Config
 from rsmem.models.nemotron_h import NemotronHConfig
+from rsmem.models.ops.quantized import QuantMatrix
 from rsmem.models.rwkv6 import Rwkv6Config
 from rsmem.models.rwkv7 import Rwkv7Config
 
