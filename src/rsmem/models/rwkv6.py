@@ -14,23 +14,17 @@ the WKV recurrence with the bonus ``u`` (:mod:`rsmem.models.ops.wkv6`), a per-he
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
-from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
-from rsmem.models.ops.common import output_rows
+from rsmem.models.compiled import CompiledStep
 from rsmem.models.ops.wkv6 import wkv6_chunked_, wkv6_step_
 from rsmem.models.ops.wkv_fused import N6_PER_LAYER, RWKV6_FIELDS, rwkv6_token_one_
 from rsmem.models.protocol import StateAccess
-from rsmem.models.rwkv7 import GROUP_NORM_EPS, HeldMatrices, token_shift
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+from rsmem.models.rwkv_base import GROUP_NORM_EPS, RwkvModelBase, state_args, token_shift
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,95 +95,26 @@ class Rwkv6Weights:
     lm_head: torch.Tensor
 
 
-class Rwkv6Model:
+class Rwkv6Model(RwkvModelBase):
     """An RWKV-6 language model implementing :class:`~rsmem.models.protocol.RecurrentModel` (float32)."""
 
     arch = "rwkv6"
     matrices = ("receptance", "key", "value", "gate", "output", "ffn_key", "ffn_value", "ffn_receptance")
+    layer_cls = Rwkv6Layer
+    config: Rwkv6Config
+    layers: list[Rwkv6Layer]
 
-    def __init__(
-        self,
-        config: Rwkv6Config,
-        weights: Rwkv6Weights,
-        *,
-        dtype: torch.dtype = torch.float32,
-        compile: CompileSetting = None,
-    ) -> None:
-        """``dtype``: the big matrices' and the head's (float32 or bfloat16); everything else is float32.
-        ``compile``: whether one-sequence decode steps run compiled (see :meth:`set_compile`)."""
-        self.config = config
-        self.dtype = dtype
-        self.n_vocab = config.n_vocab
-        self.n_layer = config.n_layer
-        self.n_embd_r = 2 * config.d_model
-        self.n_embd_s = config.d_model * config.head_size
-        self.tokenizer: Tokenizer | None = None  # set by the loaders when the file carries one
-        f32 = torch.float32
-        self.embedding = weights.embedding.to(f32).contiguous()
-        self.emb_norm, self.emb_norm_b = weights.emb_norm.to(f32), weights.emb_norm_b.to(f32)
-        self.norm_f, self.norm_f_b = weights.norm_f.to(f32), weights.norm_f_b.to(f32)
-        self.held = HeldMatrices(dtype)
-        self.lm_head = self.held.hold(weights.lm_head)  # [in, out]
-        self.layers = [
-            Rwkv6Layer(
-                **{
-                    name: self.held.hold(t) if name in self.matrices else t.to(f32).contiguous()
-                    for name in Rwkv6Layer.__slots__
-                    if (t := getattr(ly, name)) is not None
-                }
-            )
-            for ly in weights.layers
-        ]
-        matrices = [self.lm_head, *(getattr(ly, name) for ly in self.layers for name in self.matrices)]
-        self._n_matrix_weights = sum(m.numel() for m in matrices)
-        self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)  # see Rwkv7Model
-        self.compile_decode = False
-        self.set_compile(compile)
+    def make_compiled_steps(self) -> None:
+        # args: x, emb_norm, emb_norm_b, norm_f, norm_f_b, lm_head, eps, n_head, rescale, then per
+        # layer N6_PER_LAYER tensors ending with the shift rows and the WKV state (written)
+        self._token_one = CompiledStep(rwkv6_token_one_, mutated=state_args(9, N6_PER_LAYER))
 
-    def is_recurrent_layer(self, il: int) -> bool:
-        return True
+    def step_fields(self, ly: Rwkv6Layer) -> list[torch.Tensor]:
+        return [getattr(ly, n).t() if n in self.matrices else getattr(ly, n) for n in RWKV6_FIELDS]
 
-    def set_compile(self, setting: CompileSetting) -> bool:
-        """As ``Rwkv7Model.set_compile``: one-sequence decode steps through one compiled function."""
-        decided = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
-        self.compile_decode = decided and self._rows_contiguous
-        if self.compile_decode and not hasattr(self, "_token_one"):
-            # args: x, emb_norm, emb_norm_b, norm_f, norm_f_b, lm_head, eps, n_head, rescale, then per
-            # layer N6_PER_LAYER tensors ending with the shift rows and the WKV state (written)
-            self._token_one = CompiledStep(
-                rwkv6_token_one_, mutated=lambda i: i >= 9 and (i - 9) % N6_PER_LAYER >= N6_PER_LAYER - 2
-            )
-        return self.compile_decode
-
-    def warm_up(self) -> float:
-        """Compile the one-sequence step now on a scratch memory; the seconds it took (0: not compiling)."""
-        if not self.compile_decode:
-            return 0.0
-        from rsmem.batch.batch import Batch  # here: rsmem.context imports the models package
-        from rsmem.context import Context
-
-        started = time.perf_counter()
-        Context(self).decode(Batch([1]))
-        return time.perf_counter() - started
-
-    def _decode_one(self, token: torch.Tensor, states: StateAccess) -> torch.Tensor | None:
-        """One token of one sequence through the compiled step; None when the state rows are not float32
-        (reading them again on the eager path is harmless)."""
+    def step_consts(self) -> tuple[float | int, ...]:
         cfg = self.config
-        rows = [states.read_states(il) for il in range(self.n_layer)]
-        if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows):
-            return None
-        flat: list[torch.Tensor] = []
-        for ly, (r, s) in zip(self.layers, rows, strict=True):
-            flat += [getattr(ly, n).t() if n in self.matrices else getattr(ly, n) for n in RWKV6_FIELDS]
-            flat += [r.view(1, 2, cfg.d_model), s.view(1, cfg.n_head, cfg.head_size, cfg.head_size)]
-        logits = self._token_one(
-            self.embedding[token], self.emb_norm, self.emb_norm_b, self.norm_f, self.norm_f_b,
-            self.lm_head.t(), cfg.eps, cfg.n_head, cfg.rescale_every_n_layers, *flat,
-        )  # fmt: skip
-        for il in range(self.n_layer):
-            states.write_states(il, flat[(il + 1) * N6_PER_LAYER - 2], flat[(il + 1) * N6_PER_LAYER - 1])
-        return logits
+        return cfg.eps, cfg.n_head, cfg.rescale_every_n_layers
 
     def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         """Logits of the micro-batch's output tokens; reads and writes each layer's states."""
@@ -198,7 +123,7 @@ class Rwkv6Model:
         n_seqs = tokens.shape[0]
         c = cfg.d_model
         if self.compile_decode and tokens.numel() == 1:
-            logits = self._decode_one(tokens[0], states)
+            logits = self.decode_one(tokens[0], states)
             if logits is not None:
                 return logits[: len(ubatch.output_rows())]
         x = F.layer_norm(self.embedding[tokens], (c,), self.emb_norm, self.emb_norm_b, cfg.eps)
@@ -214,9 +139,7 @@ class Rwkv6Model:
             if cfg.rescale_every_n_layers and (il + 1) % cfg.rescale_every_n_layers == 0:
                 x = x * 0.5
             states.write_states(il, torch.stack([h[:, -1], f[:, -1]], dim=1), wkv)
-        x = output_rows(x, ubatch.output_rows())
-        x = F.layer_norm(x, (c,), self.norm_f, self.norm_f_b, cfg.eps)
-        return self.held.linear(x, self.lm_head)
+        return self.head(x, ubatch)
 
     def time_mix(
         self, ly: Rwkv6Layer, x: torch.Tensor, prev: torch.Tensor, wkv: torch.Tensor

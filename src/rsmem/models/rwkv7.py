@@ -14,17 +14,13 @@ The channel mix: one lerp, ``relu(key x)^2``, value.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
-from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
-from rsmem.models.ops.common import output_rows
-from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
+from rsmem.models.compiled import CompiledStep
 from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_step_
 from rsmem.models.ops.wkv_fused import (
     N_PER_LAYER,
@@ -35,11 +31,10 @@ from rsmem.models.ops.wkv_fused import (
     rwkv7_wkv_,
 )
 from rsmem.models.protocol import StateAccess
+from rsmem.models.rwkv_base import GROUP_NORM_EPS, HeldMatrices, RwkvModelBase, state_args, token_shift
 
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+__all__ = ["GROUP_NORM_EPS", "HeldMatrices", "Rwkv7Config", "Rwkv7Layer", "Rwkv7Model", "token_shift"]
 
-GROUP_NORM_EPS = 64e-5  # the time mix's per-head norm, fixed in llama.cpp and the rwkv package
 DECAY_SCALE = 0.606531  # exp(-0.5): w = exp(-DECAY_SCALE * sigmoid(w0 + lora(x)))
 
 
@@ -116,116 +111,35 @@ class Rwkv7Weights:
     lm_head: torch.Tensor  # [n_vocab, n_embd]
 
 
-class HeldMatrices:
-    """A model's big matrices held as rsmem's Mamba models hold theirs (:mod:`rsmem.models.ops.packed`):
-    ``[in, out]`` tensors in the compute dtype, float32 ones with oneDNN twins where packing is available
-    (one-row products stream the ``[out, in]`` matrix, several rows use the packed copy)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self.packing = packing_enabled()
-        self.packed = PackedMatrices()
-
-    def hold(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` ``[out, in]`` as the ``[in, out]`` tensor :meth:`linear` takes."""
-        weight_t = held_matrix(weight, self.dtype, self.packing)
-        if self.packing:
-            self.packed.add(weight_t)
-        return weight_t
-
-    def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-        """``x @ weight_t``, float32 out."""
-        return self.packed.linear(x, weight_t)
-
-
-def token_shift(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """The previous token's rows: ``x`` ``[Bs, L, C]`` shifted by one, ``last`` ``[Bs, C]`` first."""
-    return torch.cat([last.unsqueeze(1), x[:, :-1]], dim=1)
-
-
-class Rwkv7Model:
+class Rwkv7Model(RwkvModelBase):
     """An RWKV-7 language model implementing :class:`~rsmem.models.protocol.RecurrentModel` (float32)."""
 
     arch = "rwkv7"
     matrices = ("receptance", "key", "value", "output", "ffn_key", "ffn_value")  # held in ``dtype``
+    layer_cls = Rwkv7Layer
+    config: Rwkv7Config
+    layers: list[Rwkv7Layer]
 
-    def __init__(
-        self,
-        config: Rwkv7Config,
-        weights: Rwkv7Weights,
-        *,
-        dtype: torch.dtype = torch.float32,
-        compile: CompileSetting = None,
-    ) -> None:
-        """``dtype``: the big matrices' and the head's (float32 or bfloat16); everything else is float32.
-        ``compile``: whether one-sequence decode steps run compiled (see :meth:`set_compile`)."""
-        self.config = config
-        self.dtype = dtype
-        self.n_vocab = config.n_vocab
-        self.n_layer = config.n_layer
-        self.n_embd_r = 2 * config.d_model
-        self.n_embd_s = config.d_model * config.head_size
-        self.tokenizer: Tokenizer | None = None  # set by the loaders when the file carries one
-        self.embedding = weights.embedding.to(torch.float32).contiguous()
-        self.emb_norm = weights.emb_norm.to(torch.float32)
-        self.emb_norm_b = weights.emb_norm_b.to(torch.float32)
-        self.norm_f = weights.norm_f.to(torch.float32)
-        self.norm_f_b = weights.norm_f_b.to(torch.float32)
-        self.held = HeldMatrices(dtype)
-        self.lm_head = self.held.hold(weights.lm_head)  # [in, out]
-        self.layers = [self._held_layer(ly) for ly in weights.layers]
-        matrices = [self.lm_head, *(getattr(ly, name) for ly in self.layers for name in self.matrices)]
-        self._n_matrix_weights = sum(m.numel() for m in matrices)
-        # the compiled step streams [out, in] rows: float32 matrices held as views of them (with packing)
-        self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
-        self.compile_decode = False
-        self.set_compile(compile)
+    def make_compiled_steps(self) -> None:
+        # args: x, emb_norm, emb_norm_b, norm_f, norm_f_b, lm_head, eps, n_head, then per layer
+        # N_PER_LAYER tensors ending with the shift rows and the WKV state (written)
+        self._token_one = CompiledStep(rwkv7_token_one_, mutated=state_args(8, N_PER_LAYER))
+        # several sequences: the glue between the packed products (see _decode_batch)
+        self._mix = CompiledStep(rwkv7_mix_, batch_args=(0, 1, 2), mutated=(2,))
+        self._wkv = CompiledStep(rwkv7_wkv_, batch_args=tuple(range(9)), mutated=(8,))
+        self._ffn_in = CompiledStep(rwkv7_ffn_in_, batch_args=(0, 1, 2), mutated=(2,))
 
-    def _held_layer(self, ly: Rwkv7Layer) -> Rwkv7Layer:
-        """A copy of ``ly``: the matrices of :attr:`matrices` held ``[in, out]`` (:class:`HeldMatrices`),
-        every other tensor float32."""
-        fields = {
-            name: None
-            if (t := getattr(ly, name)) is None
-            else self.held.hold(t)
-            if name in self.matrices
-            else t.to(torch.float32).contiguous()
-            for name in Rwkv7Layer.__slots__
-        }
-        return Rwkv7Layer(**fields)  # type: ignore[arg-type]
+    def step_fields(self, ly: Rwkv7Layer) -> list[torch.Tensor]:
+        fields = []
+        for name in RWKV7_FIELDS:
+            t = getattr(ly, name)
+            if t is None:  # the first layer's unused value-residual mix
+                t = {"v0": ly.a0, "v1": ly.a1, "v2": ly.a2}[name]
+            fields.append(t.t() if name in self.matrices else t)
+        return fields
 
-    def is_recurrent_layer(self, il: int) -> bool:
-        return True
-
-    def set_compile(self, setting: CompileSetting) -> bool:
-        """Whether a one-sequence decode step runs as one compiled function (:mod:`rsmem.models.compiled`:
-        ``"auto"``, True/False, ``"1"``/``"0"``; None reads ``RSMEM_COMPILE``); only with matrices held as
-        float32 ``[out, in]`` rows. Returns the decision."""
-        decided = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
-        self.compile_decode = decided and self._rows_contiguous
-        if self.compile_decode and not hasattr(self, "_token_one"):
-            # args: x, emb_norm, emb_norm_b, norm_f, norm_f_b, lm_head, eps, n_head, then per layer
-            # N_PER_LAYER tensors ending with the shift rows and the WKV state (written)
-            self._token_one = CompiledStep(
-                rwkv7_token_one_, mutated=lambda i: i >= 8 and (i - 8) % N_PER_LAYER >= N_PER_LAYER - 2
-            )
-            # several sequences: the glue between the packed products (see _decode_batch)
-            self._mix = CompiledStep(rwkv7_mix_, batch_args=(0, 1, 2), mutated=(2,))
-            self._wkv = CompiledStep(rwkv7_wkv_, batch_args=tuple(range(9)), mutated=(8,))
-            self._ffn_in = CompiledStep(rwkv7_ffn_in_, batch_args=(0, 1, 2), mutated=(2,))
-        return self.compile_decode
-
-    def warm_up(self) -> float:
-        """Compile the one-sequence step now on a scratch memory; the seconds it took (0: not compiling)."""
-        if not self.compile_decode:
-            return 0.0
-        from rsmem.batch.batch import Batch  # here: rsmem.context imports the models package
-        from rsmem.context import Context
-
-        started = time.perf_counter()
-        Context(self).decode(Batch([1, 2]))
-        Context(self).decode(Batch([1]))
-        return time.perf_counter() - started
+    def step_consts(self) -> tuple[float | int, ...]:
+        return self.config.eps, self.config.n_head
 
     def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         """Logits of the micro-batch's output tokens; reads and writes each layer's states."""
@@ -235,7 +149,7 @@ class Rwkv7Model:
         c = cfg.d_model
         if self.compile_decode and tokens.shape[1] == 1:
             if n_seqs == 1:
-                logits = self._decode_one(tokens[0], states)
+                logits = self.decode_one(tokens[0], states)
             else:
                 logits = self._decode_batch(tokens[:, 0], ubatch, states)
             if logits is not None:
@@ -253,41 +167,15 @@ class Rwkv7Model:
             f = F.layer_norm(x, (c,), ly.ffn_norm, ly.ffn_norm_b, cfg.eps)
             x = x + self.channel_mix(ly, f, token_shift(f, shift[:, 1]))
             states.write_states(il, torch.stack([h[:, -1], f[:, -1]], dim=1), wkv)
-        x = output_rows(x, ubatch.output_rows())
-        x = F.layer_norm(x, (c,), self.norm_f, self.norm_f_b, cfg.eps)
-        return self.held.linear(x, self.lm_head)
-
-    def _decode_one(self, token: torch.Tensor, states: StateAccess) -> torch.Tensor | None:
-        """One token of one sequence through the compiled step (:mod:`~rsmem.models.ops.wkv_fused`); None
-        (nothing read) when the state rows are not float32."""
-        cfg = self.config
-        rows = [states.read_states(il) for il in range(self.n_layer)]
-        if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows):
-            return None  # decoded eagerly: reading the rows again is harmless (moved once a micro-batch)
-        flat: list[torch.Tensor] = []
-        for ly, (r, s) in zip(self.layers, rows, strict=True):
-            for name in RWKV7_FIELDS:
-                t = getattr(ly, name)
-                if t is None:  # the first layer's unused value-residual mix
-                    t = {"v0": ly.a0, "v1": ly.a1, "v2": ly.a2}[name]
-                flat.append(t.t() if name in self.matrices else t)
-            flat += [r.view(1, 2, cfg.d_model), s.view(1, cfg.n_head, cfg.head_size, cfg.head_size)]
-        x = self.embedding[token]  # [1, C]
-        logits = self._token_one(
-            x, self.emb_norm, self.emb_norm_b, self.norm_f, self.norm_f_b, self.lm_head.t(), cfg.eps,
-            cfg.n_head, *flat,
-        )  # fmt: skip
-        for il in range(self.n_layer):
-            states.write_states(il, flat[(il + 1) * N_PER_LAYER - 2], flat[(il + 1) * N_PER_LAYER - 1])
-        return logits
+        return self.head(x, ubatch)
 
     def _decode_batch(self, tokens: torch.Tensor, ubatch: UBatch, states: StateAccess) -> torch.Tensor | None:
         """One token of each of several sequences (``tokens`` ``[Bs]``): the packed products eagerly, the
         rest through the compiled glue of :mod:`~rsmem.models.ops.wkv_fused`; None (nothing read) when the
         state rows are not float32."""
         cfg = self.config
-        rows = [states.read_states(il) for il in range(self.n_layer)]
-        if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows):
+        rows = self.float32_rows(states, self.n_layer)
+        if rows is None:
             return None
         n_seqs, c = tokens.shape[0], cfg.d_model
         x = F.layer_norm(self.embedding[tokens], (c,), self.emb_norm, self.emb_norm_b, cfg.eps)
@@ -314,8 +202,7 @@ class Rwkv7Model:
             kf = linear(xk, ly.ffn_key)
             ffn_out = linear(torch.relu_(kf).square_(), ly.ffn_value)
             states.write_states(il, shift, wkv)
-        x = output_rows(x + ffn_out, ubatch.output_rows())
-        return linear(F.layer_norm(x, (c,), self.norm_f, self.norm_f_b, cfg.eps), self.lm_head)
+        return self.head(x + ffn_out, ubatch)
 
     def time_mix(
         self,

@@ -1,0 +1,215 @@
+"""What RWKV-6 and RWKV-7 share (:class:`RwkvModelBase`): the weights held as llama.cpp's RWKV graphs read
+them (big matrices through :class:`HeldMatrices`, everything else float32), the compile policy and warm-up,
+the one-sequence decode step through one compiled function, and the final norm and head.
+
+A subclass names its layer class (``layer_cls``) and ``matrices``, makes its compiled steps
+(:meth:`~RwkvModelBase.make_compiled_steps`: at least ``_token_one``) and says how the step reads a layer
+(:meth:`~RwkvModelBase.step_fields`, :meth:`~RwkvModelBase.step_consts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
+from rsmem.models.ops.common import output_rows
+from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
+from rsmem.models.protocol import StateAccess
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from rsmem.batch.batch import UBatch
+
+GROUP_NORM_EPS = 64e-5  # the time mix's per-head norm, fixed in llama.cpp and the rwkv package
+
+
+class RwkvConfig(Protocol):
+    """What the shared parts read of ``Rwkv7Config`` / ``Rwkv6Config``."""
+
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def n_vocab(self) -> int: ...
+    @property
+    def head_size(self) -> int: ...
+    @property
+    def eps(self) -> float: ...
+    @property
+    def n_head(self) -> int: ...
+
+
+class HeldMatrices:
+    """A model's big matrices held as rsmem's Mamba models hold theirs (:mod:`rsmem.models.ops.packed`):
+    ``[in, out]`` tensors in the compute dtype, float32 ones with oneDNN twins where packing is available
+    (one-row products stream the ``[out, in]`` matrix, several rows use the packed copy)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.packing = packing_enabled()
+        self.packed = PackedMatrices()
+
+    def hold(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[out, in]`` as the ``[in, out]`` tensor :meth:`linear` takes."""
+        weight_t = held_matrix(weight, self.dtype, self.packing)
+        if self.packing:
+            self.packed.add(weight_t)
+        return weight_t
+
+    def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+        """``x @ weight_t``, float32 out."""
+        return self.packed.linear(x, weight_t)
+
+
+def token_shift(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The previous token's rows: ``x`` ``[Bs, L, C]`` shifted by one, ``last`` ``[Bs, C]`` first."""
+    return torch.cat([last.unsqueeze(1), x[:, :-1]], dim=1)
+
+
+def state_args(n_fixed: int, per_layer: int) -> Callable[[int], bool]:
+    """The arguments a one-sequence step writes: after ``n_fixed`` leading ones, the last two of each
+    layer's ``per_layer`` (its token-shift rows and WKV state)."""
+    return lambda i: i >= n_fixed and (i - n_fixed) % per_layer >= per_layer - 2
+
+
+class RwkvModelBase:
+    """The parts of :class:`~rsmem.models.rwkv7.Rwkv7Model` and :class:`~rsmem.models.rwkv6.Rwkv6Model`
+    that do not depend on the version (see the module)."""
+
+    arch: ClassVar[str]
+    matrices: ClassVar[tuple[str, ...]]  # the layer fields held in ``dtype`` as [in, out]
+    layer_cls: ClassVar[type[Any]]  # a dataclass of the layer's tensors
+    _token_one: CompiledStep[torch.Tensor]
+
+    def __init__(
+        self,
+        config: RwkvConfig,
+        weights: Any,
+        *,
+        dtype: torch.dtype = torch.float32,
+        compile: CompileSetting = None,
+    ) -> None:
+        """``dtype``: the big matrices' and the head's (float32 or bfloat16); everything else is float32.
+        ``compile``: whether one-sequence decode steps run compiled (see :meth:`set_compile`)."""
+        self.config = config
+        self.dtype = dtype
+        self.n_vocab = config.n_vocab
+        self.n_layer = config.n_layer
+        self.n_embd_r = 2 * config.d_model
+        self.n_embd_s = config.d_model * config.head_size
+        self.tokenizer: Tokenizer | None = None  # set by the loaders when the file carries one
+        f32 = torch.float32
+        self.embedding = weights.embedding.to(f32).contiguous()
+        self.emb_norm, self.emb_norm_b = weights.emb_norm.to(f32), weights.emb_norm_b.to(f32)
+        self.norm_f, self.norm_f_b = weights.norm_f.to(f32), weights.norm_f_b.to(f32)
+        self.held = HeldMatrices(dtype)
+        self.lm_head = self.held.hold(weights.lm_head)  # [in, out]
+        self.layers = [self._held_layer(ly) for ly in weights.layers]
+        matrices = [self.lm_head, *(getattr(ly, name) for ly in self.layers for name in self.matrices)]
+        self._n_matrix_weights = sum(m.numel() for m in matrices)
+        # the compiled step streams [out, in] rows: float32 matrices held as views of them (with packing)
+        self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
+        self.compile_decode = False
+        self._steps_made = False
+        self.set_compile(compile)
+
+    def _held_layer(self, ly: Any) -> Any:
+        """A copy of ``ly``: the matrices of :attr:`matrices` held ``[in, out]`` (:class:`HeldMatrices`),
+        every other tensor float32 (None stays None)."""
+        fields = {
+            name: None
+            if (t := getattr(ly, name)) is None
+            else self.held.hold(t)
+            if name in self.matrices
+            else t.to(torch.float32).contiguous()
+            for name in (f.name for f in dataclasses.fields(self.layer_cls))
+        }
+        return self.layer_cls(**fields)
+
+    def is_recurrent_layer(self, il: int) -> bool:
+        return True
+
+    def set_compile(self, setting: CompileSetting) -> bool:
+        """Whether decode steps run compiled (:mod:`rsmem.models.compiled`: ``"auto"``, True/False,
+        ``"1"``/``"0"``; None reads ``RSMEM_COMPILE``); only with matrices held as float32 ``[out, in]``
+        rows. Returns the decision."""
+        decided = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
+        self.compile_decode = decided and self._rows_contiguous
+        if self.compile_decode and not self._steps_made:
+            self.make_compiled_steps()
+            self._steps_made = True
+        return self.compile_decode
+
+    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
+        """The protocol's forward (the subclasses')."""
+        raise NotImplementedError
+
+    def make_compiled_steps(self) -> None:
+        """Create the compiled steps (``_token_one``: one sequence's whole token)."""
+        raise NotImplementedError
+
+    def warm_up(self) -> float:
+        """Compile the decode steps now on a scratch memory (a prompt, one sequence's token, a token of
+        two sequences); the seconds it took (0: not compiling)."""
+        if not self.compile_decode:
+            return 0.0
+        from rsmem.batch.batch import Batch  # here: rsmem.context imports the models package
+        from rsmem.context import Context
+
+        started = time.perf_counter()
+        Context(self).decode(Batch([1, 2]))
+        Context(self).decode(Batch([1]))
+        Context(self, n_seq_max=2).decode(Batch([1, 2], seq_ids=[[0], [1]], logits=[True, True]))
+        return time.perf_counter() - started
+
+    def step_fields(self, ly: Any) -> list[torch.Tensor]:
+        """The layer's tensors in the order the one-sequence step takes them."""
+        raise NotImplementedError
+
+    def step_consts(self) -> tuple[float | int, ...]:
+        """The step's arguments after ``lm_head``, before the layers' tensors."""
+        raise NotImplementedError
+
+    @staticmethod
+    def float32_rows(states: StateAccess, n_layer: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every layer's state rows, or None when any is not float32 (the compiled steps take float32 only;
+        reading them again on the eager path is harmless)."""
+        rows = [states.read_states(il) for il in range(n_layer)]
+        if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows):
+            return None
+        return rows
+
+    def decode_one(self, token: torch.Tensor, states: StateAccess) -> torch.Tensor | None:
+        """One token of one sequence through the compiled step; None (nothing written) when the state rows
+        are not float32."""
+        cfg = self.config
+        rows = self.float32_rows(states, self.n_layer)
+        if rows is None:
+            return None
+        flat: list[torch.Tensor] = []
+        for ly, (r, s) in zip(self.layers, rows, strict=True):
+            flat += self.step_fields(ly)
+            flat += [r.view(1, 2, cfg.d_model), s.view(1, cfg.n_head, cfg.head_size, cfg.head_size)]
+        logits = self._token_one(
+            self.embedding[token], self.emb_norm, self.emb_norm_b, self.norm_f, self.norm_f_b,
+            self.lm_head.t(), *self.step_consts(), *flat,
+        )  # fmt: skip
+        per_layer = len(flat) // self.n_layer
+        for il in range(self.n_layer):
+            states.write_states(il, flat[(il + 1) * per_layer - 2], flat[(il + 1) * per_layer - 1])
+        return logits
+
+    def head(self, x: torch.Tensor, ubatch: UBatch) -> torch.Tensor:
+        """Logits of the micro-batch's output rows of ``x``: final norm, LM head."""
+        cfg = self.config
+        x = output_rows(x, ubatch.output_rows())
+        x = F.layer_norm(x, (cfg.d_model,), self.norm_f, self.norm_f_b, cfg.eps)
+        return self.held.linear(x, self.lm_head)
