@@ -98,7 +98,9 @@ def make_columns(version: int) -> Callable[[Path, argparse.Namespace], dict[str,
         if proc.returncode != 0:
             print(f"rwkv package column skipped: {proc.stderr.strip().splitlines()[-1:]}")
             return {}
-        return {"rwkv pkg": json.loads(proc.stdout.strip().splitlines()[-1])}
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        print("rwkv package 0.8.32 (cpu fp32), tokens/s:", {k: round(v, 1) for k, v in got.items()})
+        return {"rwkv pkg": got}
 
     return columns
 
