@@ -5,6 +5,9 @@ one-sequence decode, 8 and 64 = batched decode, 512 = prefill), torch threads 1 
 every configuration once (interleaved rounds, so a busy neighbour slows all of them alike); the table gives
 the median over rounds, the worst round, and the median of per-round ratios to the f32 product.
 
+``--cold``: each matrix is held in enough copies (at least 64 MiB together) that successive calls read
+weights from memory, not from the 32 MiB L3 cache, as a model's decode step does.
+
     PYTHONPATH=src python bench/quant_kernels.py --rounds 5
     PYTHONPATH=src python bench/quant_kernels.py --shapes in_proj --m 1,8 --types q8_0,q4_k --threads 1
 """
@@ -15,6 +18,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -50,6 +54,24 @@ def per_call(fn: Callable[[], object], min_s: float) -> float:
             return elapsed / n
 
 
+def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call after the other, round and round."""
+    state = [0]
+
+    def call() -> object:
+        state[0] = (state[0] + 1) % len(calls)
+        return calls[state[0]]()
+
+    return call
+
+
+def copies_for(nbytes: int, cold: bool) -> int:
+    return max(1, -(-COLD_BYTES // nbytes)) if cold else 1
+
+
+COLD_BYTES = 64 << 20
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -59,26 +81,31 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--min-time", type=float, default=0.05, help="seconds per timing")
     ap.add_argument("--no-bf16", action="store_true")
+    ap.add_argument("--cold", action="store_true", help="weights read from memory, not cache")
     args = ap.parse_args()
-    print(f"kernels: {native_ops().isa() if native_ops() is not None else 'reference (disabled/failed)'}")
+    ops = native_ops()
+    print(f"kernels: {ops.isa() if ops is not None else 'reference (disabled or failed)'}; cold: {args.cold}")
 
     rng = np.random.default_rng(0)
     cases: list[tuple[str, int, int, str, Callable[[], object]]] = []
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
-        w32 = torch.randn(n, k) * 0.02
-        w16 = w32.to(torch.bfloat16)
-        blocks = {name: random_blocks(TYPES[name], n, k, rng) for name in args.types.split(",")}
+        w32 = [torch.randn(n, k) * 0.02 for _ in range(copies_for(n * k * 4, args.cold))]
+        w16 = [w.to(torch.bfloat16) for w in w32[: copies_for(n * k * 2, args.cold)]]
+        blocks = {}
+        for name in args.types.split(","):
+            b = random_blocks(TYPES[name], n, k, rng)
+            blocks[name] = [b] + [b.clone() for _ in range(copies_for(b.numel(), args.cold) - 1)]
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k)
             x16 = x.to(torch.bfloat16)
             for th in (int(v) for v in args.threads.split(",")):
-                cases.append((shape, m, th, "f32", lambda x=x, w=w32: F.linear(x, w)))
+                cases.append((shape, m, th, "f32", rotating([partial(F.linear, x, w) for w in w32])))
                 if not args.no_bf16:
-                    cases.append((shape, m, th, "bf16", lambda x=x16, w=w16: F.linear(x, w)))
-                for name, b in blocks.items():
-                    t, kk = TYPES[name], k
-                    cases.append((shape, m, th, name, lambda x=x, b=b, t=t, kk=kk: qmatmul(x, b, t, kk)))
+                    cases.append((shape, m, th, "bf16", rotating([partial(F.linear, x16, w) for w in w16])))
+                for name, bs in blocks.items():
+                    calls = [partial(qmatmul, x, b, TYPES[name], k) for b in bs]
+                    cases.append((shape, m, th, name, rotating(calls)))
 
     times: dict[tuple[str, int, int, str], list[float]] = {c[:4]: [] for c in cases}
     with torch.inference_mode():

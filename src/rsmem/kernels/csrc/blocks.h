@@ -8,8 +8,11 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__F16C__)
 #define RSMEM_AVX512 1
 #endif
 
@@ -64,6 +67,22 @@ struct Q4_0 {
 struct Q4_K {
   static constexpr int BS = 256, TS = 144;
   static void scales(const uint8_t* blk, Scales& s) {
+#ifdef RSMEM_AVX512
+    // the eight scales then the eight mins as 16 bytes (ggml's get_scale_min_k4 on 32-bit words), times
+    // d and dmin: the same products as the scalar code
+    uint32_t u[3], v[4];
+    std::memcpy(u, blk + 4, 12);
+    v[0] = u[0] & 0x3f3f3f3f;
+    v[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    v[2] = u[1] & 0x3f3f3f3f;
+    v[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)v)));
+    const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(f16(blk)), _mm256_set1_ps(f16(blk + 2)), 1);
+    const __m512 r = _mm512_mul_ps(q, dd);
+    _mm256_storeu_ps(s.a, _mm512_castps512_ps256(r));
+    _mm256_storeu_ps(s.b, _mm512_extractf32x8_ps(r, 1));
+    return;
+#endif
     uint8_t sc[8], mn[8];
     scale_min_k4(blk + 4, sc, mn);
     const float d = f16(blk), dmin = f16(blk + 2);
@@ -106,6 +125,11 @@ struct Q6_K {
   static constexpr int BS = 256, TS = 210;
   static void scales(const uint8_t* blk, Scales& s) {
     const float d = f16(blk + 208);
+#ifdef RSMEM_AVX512
+    const __m128i sc = _mm_loadu_si128((const __m128i*)(blk + 192));
+    _mm512_storeu_ps(s.a, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
+    return;
+#endif
     for (int j = 0; j < 16; ++j) s.a[j] = d * static_cast<float>(static_cast<int8_t>(blk[192 + j]));
   }
   static void scalar(const uint8_t* blk, float* y) {

@@ -29,6 +29,7 @@ namespace {
 
 constexpr int64_t kTileMinM = 9;
 constexpr int64_t kTileRows = 64;
+constexpr int64_t kPrefetchGroups = 2;
 
 // Dequantize `nb` blocks of one row into y (K floats).
 template <class T>
@@ -57,7 +58,12 @@ inline void tile_dot(const uint8_t* w, int64_t ldw, int64_t nb, const float* x, 
   __m512 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+  // The rows of the group kPrefetchGroups ahead, NR * TS bytes per block: when this group is done, that
+  // one is on its way from memory (a decode step streams its weights once; the hardware prefetcher follows
+  // NR interleaved streams of short rows poorly).
+  const uint8_t* pf = w + kPrefetchGroups * NR * ldw;
   for (int64_t ib = 0; ib < nb; ++ib) {
+    for (int off = 0; off < NR * T::TS; off += 64) _mm_prefetch((const char*)(pf + ib * NR * T::TS + off), _MM_HINT_T0);
     Scales s[NR];
     for (int r = 0; r < NR; ++r) T::scales(w + r * ldw + ib * T::TS, s[r]);
     for (int j = 0; j < T::BS / 32; ++j) {
