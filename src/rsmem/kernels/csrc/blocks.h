@@ -170,17 +170,18 @@ struct Step<Q8_0> {
   }
 };
 
+inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+// 4-bit values through a table of their 16 dequantized values (vpermps reads an index's low 4 bits, so a
+// byte widened to 32 bits indexes its low nibble, and shifted right by 4 its high one): one permute a
+// value instead of convert and scale, and the table holds the reference's own products.
 template <>
 struct Step<Q4_0> {
   static inline void get(const uint8_t* blk, const Scales& s, int, __m512& w0, __m512& w1) {
-    const __m512 d = _mm512_set1_ps(s.a[0]);
-    const __m128i q = _mm_loadu_si128((const __m128i*)(blk + 2));
-    const __m128i m4 = _mm_set1_epi8(0xF);
-    const __m512i eight = _mm512_set1_epi32(8);
-    const __m512i lo = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(q, m4)), eight);
-    const __m512i hi = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m4)), eight);
-    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
-    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi));
+    const __m512 table = _mm512_mul_ps(_mm512_set1_ps(s.a[0]), _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)));
+    const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2)));
+    w0 = _mm512_permutexvar_ps(z, table);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(z, 4), table);
   }
 };
 
@@ -200,7 +201,17 @@ inline void k_min_values(__m256i q, const Scales& s, int j, __m512& w0, __m512& 
 template <>
 struct Step<Q4_K> {
   static inline void get(const uint8_t* blk, const Scales& s, int j, __m512& w0, __m512& w1) {
-    k_min_values(k4_nibbles(blk + 16, j), s, j, w0, w1);
+    // table[v] = a * v - b: fma's single rounding of the exact product minus b, as the reference
+    const __m512 table = _mm512_fmadd_ps(iota16(), _mm512_set1_ps(s.a[j]), _mm512_set1_ps(-s.b[j]));
+    const uint8_t* q = blk + 16 + 32 * (j >> 1);
+    __m512i z0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+    __m512i z1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16)));
+    if (j & 1) {
+      z0 = _mm512_srli_epi32(z0, 4);
+      z1 = _mm512_srli_epi32(z1, 4);
+    }
+    w0 = _mm512_permutexvar_ps(z0, table);
+    w1 = _mm512_permutexvar_ps(z1, table);
   }
 };
 
