@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from rsmem.errors import ModelFormatError
-from rsmem.kernels.dequant import dequantize_rows
 from rsmem.kernels.formats import KERNEL_TYPES
 from rsmem.models.ops.quantized import QuantMatrix
 
@@ -166,11 +165,7 @@ def _keep(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> QuantMatrix:
     n_in, n_out = (int(d) for d in t.shape.tolist())
     blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(n_out, -1))
     matrix = QuantMatrix(blocks, int(t.tensor_type), (n_out, n_in))
-    k = n_in
-    if not all(
-        bool(torch.isfinite(dequantize_rows(blocks[rows], matrix.qtype, k)).all())
-        for rows in _row_chunks(n_out)
-    ):
+    if not _scales_finite(blocks, t.tensor_type):
         raise ModelFormatError(
             f"{source}: tensor {t.name!r} ({t.tensor_type.name}) dequantizes to non-finite values: "
             "its block scales are corrupt"
@@ -178,8 +173,22 @@ def _keep(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> QuantMatrix:
     return matrix
 
 
-def _row_chunks(n_rows: int, chunk: int = 4096) -> list[slice]:
-    return [slice(i, min(i + chunk, n_rows)) for i in range(0, n_rows, chunk)]
+# Byte offsets of the f16 scales inside one block of each kernel type (ggml-common.h). A value is
+# non-finite exactly when one of its block's scales is (the quants are small integers, and finite f16
+# scales times them stay far inside float32's range), so checking the scales checks every value without
+# dequantizing the matrix.
+SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def _scales_finite(blocks: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> bool:
+    """Whether every block scale of a ``[N, row_bytes]`` matrix of a kernel type is finite."""
+    type_size = gguf.GGML_QUANT_SIZES[qtype][1]
+    per_block = blocks.view(-1, type_size)
+    for offset in SCALE_OFFSETS[qtype]:
+        scales = per_block[:, offset : offset + 2].contiguous().view(torch.float16)
+        if not bool(torch.isfinite(scales).all()):
+            return False
+    return True
 
 
 def _check_size(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> None:
