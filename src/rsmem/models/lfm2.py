@@ -7,9 +7,10 @@ RMS-normed q and k per head and NeoX RoPE over the whole head, its keys and valu
 the last layer: RMS norm (``token_embd_norm`` in the GGUF) and the LM head.
 
 Matrices are held as :mod:`rsmem.models.hybrid_layers` says (oneDNN twins; gate and up one product). A
-one-sequence decode step runs each layer through ``torch.compile`` (:mod:`rsmem.models.ops.hybrid_fused`,
-:mod:`rsmem.models.compiled`'s policy and checked fallback) when the model compiles; everything else is
-eager.
+one-sequence decode step runs through ``torch.compile`` when the model compiles
+(:mod:`rsmem.models.compiled`'s policy and checked fallback): one compiled chain of blocks
+(:mod:`rsmem.models.ops.hybrid_fused`) per stretch between attention layers
+(:mod:`rsmem.models.hybrid_decode`); everything else is eager.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
-from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
+from rsmem.models.compiled import CompileSetting, resolve_compile
+from rsmem.models.hybrid_decode import AttentionStep, Chains, Step
 from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, RopeTables, rope_neox
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
-from rsmem.models.ops.fused import head_one
-from rsmem.models.ops.hybrid_fused import attn_in_one, lfm2_attn_out_one, lfm2_conv_one_
+from rsmem.models.ops.hybrid_fused import Block, lfm2_attn_out_one, lfm2_conv_one_
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.protocol import StateAccess
 
@@ -160,11 +161,11 @@ class Lfm2Model:
         Returns the decision."""
         decided = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
         self.compile_decode = decided and self._rows_contiguous
-        if self.compile_decode and not hasattr(self, "_conv_one"):
-            self._conv_one = CompiledStep(lfm2_conv_one_, mutated=(8,))
-            self._attn_in = CompiledStep(attn_in_one)
-            self._attn_out = CompiledStep(lfm2_attn_out_one)
-            self._head_one = CompiledStep(head_one)
+        if self.compile_decode and not hasattr(self, "_chains"):
+            eps = self.config.eps
+            self._conv = Block(lfm2_conv_one_, 8, (eps,), mutated=(7,))  # its window is written
+            self._attn_out = Block(lfm2_attn_out_one, 5, (eps,))  # o, wo, ffn_norm, gate_up, down
+            self._chains = Chains()
         return self.compile_decode
 
     def warm_up(self) -> float:
@@ -221,36 +222,37 @@ class Lfm2Model:
         return self.held.linear(y, ly.conv_out)
 
     def _decode_one(self, token: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
-        """One token of one sequence, each layer one compiled call (attention's KV part eager); None
-        (nothing read) when the state rows are not float32."""
+        """One token of one sequence as compiled chains between the attention layers
+        (:mod:`rsmem.models.hybrid_decode`); None (nothing read) when the state rows are not float32."""
         cfg = self.config
         rows = {il: states.read_states(il) for il in range(self.n_layer) if self.is_recurrent_layer(il)}
         if any(r.dtype != torch.float32 for r, _ in rows.values()):
             return None  # decoded eagerly: reading the rows again is harmless
         rope = self.rope(ubatch)
         cos, sin = rope if rope is not None else (None, None)
-        x = self.embedding[token]  # [1, d_model]
+        windows = {il: r.view(1, cfg.d_model, cfg.l_cache - 1) for il, (r, _) in rows.items()}
+        steps: list[Step | AttentionStep] = []
         for il, ly in enumerate(self.layers):
             att = ly.attention
             assert ly.gate_up is not None
+            ffn = (ly.ffn_norm, out_in(ly.gate_up), out_in(ly.ffn_down))
             if att is not None:
                 assert att.wqkv_t is not None and att.wo_t is not None
-                q, k, v = self._attn_in(
-                    x, ly.attn_norm, out_in(att.wqkv_t), att.q_norm, att.k_norm, cos, sin, att.n_head,
-                    att.n_head_kv, cfg.eps,
-                )  # fmt: skip
-                o = states.attention(il, q, k, v, att.scale, ubatch)
-                x = self._attn_out(
-                    x, o, out_in(att.wo_t), ly.ffn_norm, out_in(ly.gate_up), out_in(ly.ffn_down), cfg.eps
+                attn_in = (ly.attn_norm, out_in(att.wqkv_t), att.q_norm, att.k_norm, cos, sin)
+                consts = (att.n_head, att.n_head_kv, cfg.eps)
+                steps.append(
+                    AttentionStep(il, attn_in, consts, att.scale, self._attn_out, (out_in(att.wo_t), *ffn))
                 )
                 continue
             assert ly.conv is not None and ly.conv_in is not None and ly.conv_out is not None
-            r, s = rows[il]
-            window = r.view(1, cfg.d_model, cfg.l_cache - 1)
-            x = self._conv_one(
-                x, ly.attn_norm, out_in(ly.conv_in), ly.conv, out_in(ly.conv_out), ly.ffn_norm,
-                out_in(ly.gate_up), out_in(ly.ffn_down), window, cfg.eps,
-            )  # fmt: skip
-            states.write_states(il, window, s)
-        logits = self._head_one(x, self.norm_f, out_in(self.lm_head), cfg.eps)
+            conv = (ly.attn_norm, out_in(ly.conv_in), ly.conv, out_in(ly.conv_out))
+            steps.append(Step(self._conv, (*conv, *ffn, windows[il])))
+
+        def attend(il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+            return states.attention(il, q, k, v, scale, ubatch)
+
+        x = self.embedding[token]  # [1, d_model]
+        logits = self._chains.run(x, steps, (self.norm_f, out_in(self.lm_head)), cfg.eps, attend)
+        for il, window in windows.items():
+            states.write_states(il, window, rows[il][1])
         return logits[: len(ubatch.output_rows())]

@@ -7,9 +7,10 @@ unchanged), or a squared-ReLU MLP (no memory at all). Then RMS norm and the LM h
 from :mod:`rsmem.models.ops`.
 
 Matrices are held as :mod:`rsmem.models.hybrid_layers` says (oneDNN twins). When the model compiles, a
-one-sequence decode step runs each layer as one compiled call (Mamba-2's block from
-:mod:`rsmem.models.ops.fused`, the others from :mod:`rsmem.models.ops.hybrid_fused`), and several sequences
-run the Mamba-2 mixer between its packed products compiled, as Mamba-2 does.
+one-sequence decode step is one compiled chain per stretch between attention layers
+(:mod:`rsmem.models.hybrid_decode`; Mamba-2's block from :mod:`rsmem.models.ops.fused`, the others from
+:mod:`rsmem.models.ops.hybrid_fused`), and several sequences run the Mamba-2 mixer between its packed
+products compiled, as Mamba-2 does.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
+from rsmem.models.hybrid_decode import AttentionStep, Chains, Step
 from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
-from rsmem.models.ops.fused import head_one, mamba2_layer_one_, mamba2_mixer_step_
-from rsmem.models.ops.hybrid_fused import attn_in_one, attn_out_one, relu2_mlp_one
+from rsmem.models.ops.fused import mamba2_layer_one_, mamba2_mixer_step_
+from rsmem.models.ops.hybrid_fused import Block, attn_out_one, relu2_mlp_one
 from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
 from rsmem.models.ops.ssd import ssd_chunked_
 from rsmem.models.protocol import StateAccess
@@ -176,13 +178,13 @@ class NemotronHModel:
         decision."""
         decided = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
         self.compile_decode = decided and self._rows_contiguous
-        if self.compile_decode and not hasattr(self, "_mamba_one"):
-            self._mamba_one = CompiledStep(mamba2_layer_one_, mutated=(10, 11))
+        if self.compile_decode and not hasattr(self, "_chains"):
+            cfg = self.config
+            self._mamba = Block(mamba2_layer_one_, 11, (cfg.n_group, cfg.eps), mutated=(9, 10))  # window, h
+            self._mlp = Block(relu2_mlp_one, 3, (cfg.eps,))
+            self._attn_out = Block(attn_out_one, 2)  # o, wo
+            self._chains = Chains()  # one sequence
             self._mixer_step = CompiledStep(mamba2_mixer_step_, batch_args=(0, 1, 8), mutated=(1, 8))
-            self._mlp_one = CompiledStep(relu2_mlp_one)
-            self._attn_in = CompiledStep(attn_in_one)
-            self._attn_out = CompiledStep(attn_out_one)
-            self._head_one = CompiledStep(head_one)
         return self.compile_decode
 
     def warm_up(self) -> float:
@@ -249,57 +251,90 @@ class NemotronHModel:
         return self.held.linear(y, mx.out_proj)
 
     def _decode(self, tokens: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
-        """One token of each sequence (``tokens`` ``[Bs]``): one sequence runs each layer as one compiled
-        call, several run the packed products eagerly and the Mamba-2 mixer compiled; attention's KV part
-        is eager. None (nothing read) when the state rows are not float32."""
+        """One token of each sequence (``tokens`` ``[Bs]``): one sequence as compiled chains between the
+        attention layers (:mod:`rsmem.models.hybrid_decode`), several with the packed products eager and
+        the Mamba-2 mixer compiled; attention's KV part is eager. None (nothing read) when the state rows
+        are not float32."""
         cfg = self.config
         rows = {il: states.read_states(il) for il in range(self.n_layer) if self.is_recurrent_layer(il)}
         if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows.values()):
             return None  # decoded eagerly: reading the rows again is harmless
         n_seqs = tokens.shape[0]
-        one = n_seqs == 1
-        linear = self.held.linear
+        views = {
+            il: (
+                r.view(n_seqs, cfg.conv_dim, cfg.d_conv - 1),
+                s.view(n_seqs, cfg.n_ssm_head, cfg.ssm_head_dim, cfg.d_state),
+            )
+            for il, (r, s) in rows.items()
+        }
         x = self.embedding[tokens]  # [Bs, d_model]
+        if n_seqs == 1:
+            logits = self._decode_one(x, ubatch, states, views)
+        else:
+            logits = self._decode_batch(x, ubatch, states, views)
+        for il, (window, h) in views.items():
+            states.write_states(il, window, h)
+        return logits
+
+    def _decode_one(
+        self,
+        x: torch.Tensor,
+        ubatch: UBatch,
+        states: HybridStates,
+        views: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        cfg = self.config
+        steps: list[Step | AttentionStep] = []
         for il, ly in enumerate(self.layers):
             if ly.mixer is not None:
                 mx = ly.mixer
-                r, s = rows[il]
-                window = r.view(n_seqs, cfg.conv_dim, cfg.d_conv - 1)
-                h = s.view(n_seqs, cfg.n_ssm_head, cfg.ssm_head_dim, cfg.d_state)
-                if one:
-                    x = self._mamba_one(
-                        x, ly.norm, mx.in_proj.t(), mx.conv_weight, mx.conv_bias, mx.dt_bias, mx.A, mx.D,
-                        mx.ssm_norm, mx.out_proj.t(), window, h, cfg.n_group, cfg.eps,
-                    )  # fmt: skip
-                else:
-                    zxbcdt = linear(rms_norm(x, ly.norm, cfg.eps), mx.in_proj)
-                    y = self._mixer_step(
-                        zxbcdt, window, mx.conv_weight, mx.conv_bias, mx.dt_bias, mx.A, mx.D, mx.ssm_norm, h,
-                        cfg.n_group, cfg.eps,
-                    )  # fmt: skip
-                    x = x + linear(y, mx.out_proj)
-                states.write_states(il, window, h)
+                tensors = (
+                    ly.norm, mx.in_proj.t(), mx.conv_weight, mx.conv_bias, mx.dt_bias, mx.A, mx.D,
+                    mx.ssm_norm, mx.out_proj.t(), *views[il],
+                )  # fmt: skip
+                steps.append(Step(self._mamba, tensors))
             elif ly.attention is not None:
                 att = ly.attention
                 assert att.wqkv_t is not None and att.wo_t is not None
-                if one:
-                    q, k, v = self._attn_in(
-                        x, ly.norm, att.wqkv_t.t(), None, None, None, None, att.n_head, att.n_head_kv, cfg.eps
-                    )
-                    o = states.attention(il, q, k, v, att.scale, ubatch)
-                    x = self._attn_out(x, o, att.wo_t.t())
-                else:
-                    q, k, v = att.qkv(rms_norm(x, ly.norm, cfg.eps), None, cfg.eps)
-                    x = x + linear(states.attention(il, q, k, v, att.scale, ubatch), att.wo_t)
+                attn_in = (ly.norm, att.wqkv_t.t(), None, None, None, None)
+                consts = (att.n_head, att.n_head_kv, cfg.eps)
+                steps.append(AttentionStep(il, attn_in, consts, att.scale, self._attn_out, (att.wo_t.t(),)))
             else:
                 assert ly.ffn_up is not None and ly.ffn_down is not None
-                if one:
-                    x = self._mlp_one(x, ly.norm, ly.ffn_up.t(), ly.ffn_down.t(), cfg.eps)
-                else:
-                    h = rms_norm(x, ly.norm, cfg.eps)
-                    x = x + linear(torch.relu(linear(h, ly.ffn_up)).square(), ly.ffn_down)
-        if one:
-            logits = self._head_one(x, self.norm_f, self.lm_head.t(), cfg.eps)
-            return logits[: len(ubatch.output_rows())]
+                steps.append(Step(self._mlp, (ly.norm, ly.ffn_up.t(), ly.ffn_down.t())))
+
+        def attend(il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+            return states.attention(il, q, k, v, scale, ubatch)
+
+        logits = self._chains.run(x, steps, (self.norm_f, self.lm_head.t()), cfg.eps, attend)
+        return logits[: len(ubatch.output_rows())]
+
+    def _decode_batch(
+        self,
+        x: torch.Tensor,
+        ubatch: UBatch,
+        states: HybridStates,
+        views: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        cfg = self.config
+        linear = self.held.linear
+        for il, ly in enumerate(self.layers):
+            h = rms_norm(x, ly.norm, cfg.eps)
+            if ly.mixer is not None:
+                mx = ly.mixer
+                window, state = views[il]
+                y = self._mixer_step(
+                    linear(h, mx.in_proj), window, mx.conv_weight, mx.conv_bias, mx.dt_bias, mx.A, mx.D,
+                    mx.ssm_norm, state, cfg.n_group, cfg.eps,
+                )  # fmt: skip
+                x = x + linear(y, mx.out_proj)
+            elif ly.attention is not None:
+                att = ly.attention
+                assert att.wo_t is not None
+                q, k, v = att.qkv(h, None, cfg.eps)
+                x = x + linear(states.attention(il, q, k, v, att.scale, ubatch), att.wo_t)
+            else:
+                assert ly.ffn_up is not None and ly.ffn_down is not None
+                x = x + linear(torch.relu(linear(h, ly.ffn_up)).square(), ly.ffn_down)
         x = output_rows(x, ubatch.output_rows())
         return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head)

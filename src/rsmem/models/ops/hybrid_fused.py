@@ -11,10 +11,14 @@ updated in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from rsmem.models.ops.fused import gemv
+from rsmem.models.ops.fused import gemv, head_one
 from rsmem.models.ops.norm import rms_norm
 
 
@@ -110,3 +114,42 @@ def relu2_mlp_one(
 ) -> torch.Tensor:
     """Nemotron-H's MLP layer for one token: ``x + relu(rms_norm(x) @ up.T)^2 @ down.T``."""
     return x + gemv(torch.relu(gemv(rms_norm(x, norm, eps), up)).square(), down)
+
+
+# ------------------------------------------------------------------------------ chains of blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One ``*_one`` block as a chain step: ``fn(x, *tensors, *consts) -> x`` over ``n`` tensors, of which
+    the offsets ``mutated`` are written in place (state rows)."""
+
+    fn: Callable[..., torch.Tensor]
+    n: int
+    consts: tuple[float | int, ...] = ()
+    mutated: tuple[int, ...] = ()
+
+
+ATTN_IN_TENSORS = 6  # norm, wqkv, q_norm, k_norm, cos, sin (then n_head, n_head_kv, eps)
+HEAD_TENSORS = 2  # norm_f, lm_head (then eps)
+
+
+def chain(
+    blocks: tuple[Block, ...], tail: str, tail_consts: tuple[float | int, ...]
+) -> Callable[..., object]:
+    """One function running ``blocks`` in order on ``(x, *flat)`` (each block's tensors in turn), then its
+    ``tail``: ``"attn_in"`` returns ``(x, q, k, v)`` (:func:`attn_in_one` on the next ``ATTN_IN_TENSORS``
+    tensors), ``"head"`` the logits (:func:`~rsmem.models.ops.fused.head_one`). Compiled, a decode step of
+    one sequence is one call per stretch between attention layers."""
+
+    def chain_one(x: torch.Tensor, *flat: Any) -> object:  # tensors, None for absent norms
+        i = 0
+        for b in blocks:
+            x = b.fn(x, *flat[i : i + b.n], *b.consts)
+            i += b.n
+        rest = flat[i:]
+        if tail == "head":
+            return head_one(x, rest[0], rest[1], *tail_consts)
+        return (x, *attn_in_one(x, *rest, *tail_consts))
+
+    return chain_one
