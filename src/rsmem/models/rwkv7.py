@@ -15,6 +15,7 @@ The channel mix: one lerp, ``relu(key x)^2``, value.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ from rsmem.models.ops.wkv_fused import (
 )
 from rsmem.models.protocol import StateAccess
 from rsmem.models.rwkv_base import GROUP_NORM_EPS, HeldMatrices, RwkvModelBase, state_args, token_shift
+
+if TYPE_CHECKING:
+    from rsmem.models.arwkv7 import Arwkv7Layer
 
 __all__ = ["GROUP_NORM_EPS", "HeldMatrices", "Rwkv7Config", "Rwkv7Layer", "Rwkv7Model", "token_shift"]
 
@@ -115,8 +119,8 @@ class Rwkv7Model(RwkvModelBase):
     """An RWKV-7 language model implementing :class:`~rsmem.models.protocol.RecurrentModel` (float32)."""
 
     arch = "rwkv7"
-    matrices = ("receptance", "key", "value", "output", "ffn_key", "ffn_value")  # held in ``dtype``
-    layer_cls = Rwkv7Layer
+    matrices: ClassVar[tuple[str, ...]] = ("receptance", "key", "value", "output", "ffn_key", "ffn_value")
+    layer_cls: ClassVar[type[Any]] = Rwkv7Layer
     config: Rwkv7Config
     layers: list[Rwkv7Layer]
 
@@ -206,7 +210,7 @@ class Rwkv7Model(RwkvModelBase):
 
     def time_mix(
         self,
-        ly: Rwkv7Layer,
+        ly: Rwkv7Layer | Arwkv7Layer,
         x: torch.Tensor,
         prev: torch.Tensor,
         wkv: torch.Tensor,
@@ -217,7 +221,8 @@ class Rwkv7Model(RwkvModelBase):
         cfg = self.config
         n_seqs, n_tokens, c = x.shape
         heads = (n_seqs, n_tokens, cfg.n_head, cfg.head_size)
-        xr, xw, xk, xv, xa, xg = (x + (prev - x) * ly.lerp.view(6, 1, 1, c)).unbind(0)
+        n_mix = ly.lerp.shape[0]  # 6; ARWKV-7 without a gate: 5
+        xr, xw, xk, xv, xa, *xg = (x + (prev - x) * ly.lerp.view(n_mix, 1, 1, c)).unbind(0)
         r = self.held.linear(xr, ly.receptance)
         log_w = -DECAY_SCALE * torch.sigmoid(ly.w0 + F.linear(torch.tanh(F.linear(xw, ly.w1)), ly.w2))
         k = self.held.linear(xk, ly.key)
@@ -228,7 +233,6 @@ class Rwkv7Model(RwkvModelBase):
             assert ly.v0 is not None and ly.v1 is not None and ly.v2 is not None
             v = v + (v_first - v) * torch.sigmoid(ly.v0 + F.linear(F.linear(xv, ly.v1), ly.v2))
         a = torch.sigmoid(ly.a0 + F.linear(F.linear(xa, ly.a1), ly.a2))
-        g = F.linear(torch.sigmoid(F.linear(xg, ly.g1)), ly.g2)
         kk = F.normalize((k * ly.k_k).view(heads), dim=-1, p=2.0, eps=1e-12)
         k = k * (1 + (a - 1) * ly.k_a)
         rh, kh, vh, ah = (t.view(heads) for t in (r, k, v, a))
@@ -237,9 +241,13 @@ class Rwkv7Model(RwkvModelBase):
                            (kk * ah)[:, 0]).unsqueeze(1)  # fmt: skip
         else:
             y = wkv7_chunked_(wkv, rh, log_w.view(heads), kh, vh, -kk, kk * ah, cfg.chunk_size)
-        y = F.group_norm(y.reshape(-1, c), cfg.n_head, ly.ln_x, ly.ln_x_b, GROUP_NORM_EPS).view(heads)
+        if ly.ln_x is not None:  # absent in some ARWKV-7 models: no norm
+            y = F.group_norm(y.reshape(-1, c), cfg.n_head, ly.ln_x, ly.ln_x_b, GROUP_NORM_EPS).view(heads)
         y = y + (rh * kh * ly.r_k.view(cfg.n_head, cfg.head_size)).sum(-1, keepdim=True) * vh
-        return self.held.linear(y.reshape(n_seqs, n_tokens, c) * g, ly.output), v_first
+        y = y.reshape(n_seqs, n_tokens, c)
+        if ly.g1 is not None and ly.g2 is not None:  # the gate (optional in ARWKV-7)
+            y = y * F.linear(torch.sigmoid(F.linear(xg[0], ly.g1)), ly.g2)
+        return self.held.linear(y, ly.output), v_first
 
     def channel_mix(self, ly: Rwkv7Layer, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         k = torch.relu(self.held.linear(x + (prev - x) * ly.ffn_lerp_k, ly.ffn_key)).square()

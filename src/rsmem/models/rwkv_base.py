@@ -74,6 +74,12 @@ def token_shift(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return torch.cat([last.unsqueeze(1), x[:, :-1]], dim=1)
 
 
+def vector(t: torch.Tensor | None) -> torch.Tensor:
+    """A norm's vector as float32; an absent one (ARWKV-7 has no embedding norm, RMS norms no bias) as an
+    empty tensor, which that model never reads."""
+    return torch.empty(0) if t is None else t.to(torch.float32)
+
+
 def state_args(n_fixed: int, per_layer: int) -> Callable[[int], bool]:
     """The arguments a one-sequence step writes: after ``n_fixed`` leading ones, the last two of each
     layer's ``per_layer`` (its token-shift rows and WKV state)."""
@@ -106,10 +112,9 @@ class RwkvModelBase:
         self.n_embd_r = 2 * config.d_model
         self.n_embd_s = config.d_model * config.head_size
         self.tokenizer: Tokenizer | None = None  # set by the loaders when the file carries one
-        f32 = torch.float32
-        self.embedding = weights.embedding.to(f32).contiguous()
-        self.emb_norm, self.emb_norm_b = weights.emb_norm.to(f32), weights.emb_norm_b.to(f32)
-        self.norm_f, self.norm_f_b = weights.norm_f.to(f32), weights.norm_f_b.to(f32)
+        self.embedding = weights.embedding.to(torch.float32).contiguous()
+        self.emb_norm, self.emb_norm_b = vector(weights.emb_norm), vector(weights.emb_norm_b)
+        self.norm_f, self.norm_f_b = vector(weights.norm_f), vector(weights.norm_f_b)
         self.held = HeldMatrices(dtype)
         self.lm_head = self.held.hold(weights.lm_head)  # [in, out]
         self.layers = [self._held_layer(ly) for ly in weights.layers]

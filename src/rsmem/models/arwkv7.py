@@ -1,0 +1,121 @@
+"""ARWKV-7 (llama.cpp's ``arwkv7``: RWKV-7 time mixing distilled into a transformer's body, e.g.
+``RWKV-Red-Team/ARWKV-7B-Preview``) on rsmem's recurrent memory, computed as llama.cpp's graph.
+
+It differs from :mod:`rsmem.models.rwkv7` in: RMS norms (weights only) where RWKV-7 has layer norms, and no
+norm of the embedding; a SwiGLU feed-forward (``down(silu(gate x) * up x)``) instead of the channel mix, so
+one token-shift row per layer (``token_shift_count`` 1: ``r`` is ``n_embd`` floats, the last token after
+the attention norm); the gate ``g`` and the per-head norm of the WKV output are optional (absent: five
+lerps, no gate, no norm). The time mix itself is RWKV-7's (:meth:`Rwkv7Model.time_mix`). Decode runs
+eagerly (no compiled step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rsmem.batch.batch import UBatch
+from rsmem.models.compiled import CompileSetting
+from rsmem.models.ops.common import output_rows
+from rsmem.models.ops.norm import rms_norm
+from rsmem.models.protocol import StateAccess
+from rsmem.models.rwkv7 import Rwkv7Config, Rwkv7Model, token_shift
+
+
+@dataclass(frozen=True, slots=True)
+class Arwkv7Config(Rwkv7Config):
+    """``Rwkv7Config`` read from ``arwkv7.*`` keys: ``eps`` is the RMS norms', ``d_ff`` the SwiGLU's width,
+    ``n_lora_gate`` 0 when the model has no gate."""
+
+
+@dataclass(slots=True)
+class Arwkv7Layer:
+    """One block's weights in llama.cpp's form (matrices ``[out, in]``; see ``Rwkv7Layer`` for the time
+    mix's); ``g1``/``g2`` and ``ln_x``/``ln_x_b`` may be absent."""
+
+    attn_norm: torch.Tensor
+    lerp: torch.Tensor  # [6 or 5, n_embd]: r, w, k, v, a (, g)
+    w0: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    a0: torch.Tensor
+    a1: torch.Tensor
+    a2: torch.Tensor
+    k_k: torch.Tensor
+    k_a: torch.Tensor
+    r_k: torch.Tensor
+    receptance: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    output: torch.Tensor
+    ffn_norm: torch.Tensor
+    ffn_gate: torch.Tensor  # [d_ff, n_embd]
+    ffn_up: torch.Tensor  # [d_ff, n_embd]
+    ffn_down: torch.Tensor  # [n_embd, d_ff]
+    v0: torch.Tensor | None = None  # None in the first layer (unused there)
+    v1: torch.Tensor | None = None
+    v2: torch.Tensor | None = None
+    g1: torch.Tensor | None = None
+    g2: torch.Tensor | None = None
+    ln_x: torch.Tensor | None = None
+    ln_x_b: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class Arwkv7Weights:
+    embedding: torch.Tensor
+    layers: list[Arwkv7Layer]
+    norm_f: torch.Tensor
+    lm_head: torch.Tensor
+    emb_norm: None = None  # no embedding norm (the shared holder reads these names)
+    emb_norm_b: None = None
+    norm_f_b: None = None
+
+
+class Arwkv7Model(Rwkv7Model):
+    """An ARWKV-7 language model implementing :class:`~rsmem.models.protocol.RecurrentModel` (float32)."""
+
+    arch = "arwkv7"
+    matrices = ("receptance", "key", "value", "output", "ffn_gate", "ffn_up", "ffn_down")
+    layer_cls = Arwkv7Layer
+    layers: list[Arwkv7Layer]  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        config: Arwkv7Config,
+        weights: Arwkv7Weights,
+        *,
+        dtype: torch.dtype = torch.float32,
+        compile: CompileSetting = None,
+    ) -> None:
+        super().__init__(config, weights, dtype=dtype, compile=compile)
+        self.n_embd_r = config.d_model  # one token-shift row a layer
+
+    def set_compile(self, setting: CompileSetting) -> bool:
+        """ARWKV-7 decodes eagerly: no compiled step (returns False)."""
+        self.compile_decode = False
+        return False
+
+    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
+        """Logits of the micro-batch's output tokens; reads and writes each layer's states."""
+        cfg = self.config
+        tokens = ubatch.token_tensor()  # [Bs, L]
+        n_seqs = tokens.shape[0]
+        x = self.embedding[tokens]
+        v_first: torch.Tensor | None = None
+        linear = self.held.linear
+        for il, ly in enumerate(self.layers):
+            r_rows, s_rows = states.read_states(il)
+            shift = r_rows.view(n_seqs, cfg.d_model).float()
+            wkv = s_rows.view(n_seqs, cfg.n_head, cfg.head_size, cfg.head_size)
+            wkv = wkv if wkv.dtype == torch.float32 else wkv.float()
+            h = rms_norm(x, ly.attn_norm, cfg.eps)
+            out, v_first = self.time_mix(ly, h, token_shift(h, shift), wkv, v_first)
+            x = x + out
+            f = rms_norm(x, ly.ffn_norm, cfg.eps)
+            x = x + linear(F.silu(linear(f, ly.ffn_gate)) * linear(f, ly.ffn_up), ly.ffn_down)
+            states.write_states(il, h[:, -1], wkv)
+        x = output_rows(x, ubatch.output_rows())
+        return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head)

@@ -1,0 +1,105 @@
+"""Random ARWKV-7 GGUF files in llama.cpp's layout (``llama_model_arwkv7::load_arch_tensors``), built the
+same way by the fixture script (``tests/fixtures/llamacpp/rwkv/make_arwkv7_fixture.py``, which runs
+llama.cpp on them) and by the tests (which compare rsmem with what llama.cpp computed)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from rsmem.loaders.rwkv_convert import world_vocabulary
+
+N_EMBD, N_LAYER, N_VOCAB, D_FF, HEAD_SIZE, LORA = 128, 2, 300, 256, 64, 32
+T = gguf.MODEL_TENSOR
+
+
+def tensor(kind: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".weight") -> str:
+    return gguf.TENSOR_NAMES[kind].format(bid=bid) + suffix
+
+
+def random_arwkv7_gguf(path: Path, *, gated: bool = True, seed: int = 0) -> Path:
+    """A small ARWKV-7 (n_embd 128, 2 layers, head size 64, SwiGLU width 256, 300 tokens of a byte World
+    vocabulary): with ``gated``, six lerps, the gate ``g1/g2`` and the WKV output norm; without, five lerps
+    and neither. Deterministic for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    c, f = N_EMBD, D_FF
+
+    def rnd(*shape: int, scale: float = 1.0, shift: float = 0.0) -> np.ndarray:
+        return (torch.randn(*shape, generator=g) * scale + shift).numpy()
+
+    w = gguf.GGUFWriter(path, "arwkv7")
+    w.add_context_length(1048576)
+    w.add_embedding_length(c)
+    w.add_block_count(N_LAYER)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_wkv_head_size(HEAD_SIZE)
+    w.add_decay_lora_rank(LORA)
+    w.add_iclr_lora_rank(LORA)
+    w.add_value_residual_mix_lora_rank(LORA)
+    w.add_gate_lora_rank(LORA if gated else 0)
+    w.add_feed_forward_length(f)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_token_shift_count(1)
+    w.add_head_count(0)
+    vocab_file = path.with_suffix(".vocab.txt")
+    vocab_file.write_text("".join(f"{b + 1} {bytes([b])!r} 1\n" for b in range(256)), encoding="utf-8")
+    tok = world_vocabulary(vocab_file, N_VOCAB)
+    vocab_file.unlink()
+    w.add_tokenizer_model("rwkv")
+    w.add_token_list(tok.tokens)
+    w.add_token_types(tok.token_types)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    tensors = {
+        tensor(T.TOKEN_EMBD): rnd(N_VOCAB, c),
+        tensor(T.OUTPUT_NORM): rnd(c, scale=0.1, shift=1.0),
+        tensor(T.OUTPUT): rnd(N_VOCAB, c, scale=c**-0.5),
+    }
+    for b in range(N_LAYER):
+        n_lerp = 6 if gated else 5
+        tensors |= {
+            tensor(T.ATTN_NORM, b): rnd(c, scale=0.1, shift=1.0),
+            tensor(T.TIME_MIX_LERP_FUSED, b): torch.rand(n_lerp, 1, 1, c, generator=g).numpy(),
+            tensor(T.TIME_MIX_W0, b): rnd(c, shift=-0.5),
+            tensor(T.TIME_MIX_W1, b): rnd(LORA, c, scale=0.1),
+            tensor(T.TIME_MIX_W2, b): rnd(c, LORA, scale=0.1),
+            tensor(T.TIME_MIX_A0, b): rnd(c, scale=0.5),
+            tensor(T.TIME_MIX_A1, b): rnd(LORA, c, scale=0.1),
+            tensor(T.TIME_MIX_A2, b): rnd(c, LORA, scale=0.1),
+            tensor(T.TIME_MIX_V0, b): rnd(c, scale=0.5, shift=0.5),
+            tensor(T.TIME_MIX_V1, b): rnd(LORA, c, scale=0.1),
+            tensor(T.TIME_MIX_V2, b): rnd(c, LORA, scale=0.1),
+            tensor(T.TIME_MIX_K_K, b): rnd(c, scale=0.1, shift=0.85),
+            tensor(T.TIME_MIX_K_A, b): rnd(c, scale=0.1, shift=1.0),
+            tensor(T.TIME_MIX_R_K, b): rnd(c, scale=0.1),
+            tensor(T.TIME_MIX_KEY, b): rnd(c, c, scale=c**-0.5),
+            tensor(T.TIME_MIX_VALUE, b): rnd(c, c, scale=c**-0.5),
+            tensor(T.TIME_MIX_RECEPTANCE, b): rnd(c, c, scale=c**-0.5),
+            tensor(T.TIME_MIX_OUTPUT, b): rnd(c, c, scale=c**-0.5),
+            tensor(T.FFN_NORM, b): rnd(c, scale=0.1, shift=1.0),
+            tensor(T.FFN_GATE, b): rnd(f, c, scale=c**-0.5),
+            tensor(T.FFN_UP, b): rnd(f, c, scale=c**-0.5),
+            tensor(T.FFN_DOWN, b): rnd(c, f, scale=f**-0.5),
+        }
+        if gated:
+            tensors |= {
+                tensor(T.TIME_MIX_G1, b): rnd(LORA, c, scale=0.1),
+                tensor(T.TIME_MIX_G2, b): rnd(c, LORA, scale=0.1),
+                tensor(T.TIME_MIX_LN, b): rnd(c, scale=0.1, shift=1.0),
+                tensor(T.TIME_MIX_LN, b, ".bias"): rnd(c, scale=0.1),
+            }
+    for name, data in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

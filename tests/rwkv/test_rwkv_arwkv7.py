@@ -1,0 +1,61 @@
+"""ARWKV-7 (llama.cpp's ``arwkv7``) against llama.cpp b11312 itself: the test builds the random GGUF of
+``arwkv7_reference.py`` (the same bytes llama.cpp ran, checked by sha256) and rsmem gives llama.cpp's
+logits for a prompt, tokens one by one, and a forked pair in one batch, and its state blob; with and
+without the optional gate and WKV output norm (fixtures: ``tests/fixtures/llamacpp/rwkv/arwkv7*``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from arwkv7_reference import N_EMBD, N_LAYER, random_arwkv7_gguf, sha256
+
+import rsmem
+from rsmem import Batch, Context
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv"
+
+
+def close(got: torch.Tensor, want: np.ndarray) -> None:
+    want_t = torch.from_numpy(want)
+    assert want_t.abs().max() > 0
+    torch.testing.assert_close(got, want_t, rtol=0, atol=2e-4 * float(want_t.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["arwkv7", "arwkv7-nogate"])
+def test_arwkv7_matches_llamacpp(name: str, tmp_path: Path) -> None:
+    folder = FIXTURES / name
+    spec = json.loads((folder / "fixture.json").read_text())
+    path = random_arwkv7_gguf(tmp_path / "model.gguf", gated=spec["gated"], seed=spec["seed"])
+    assert sha256(path) == spec["gguf_sha256"], "the GGUF built here differs from the one llama.cpp ran"
+    model = rsmem.load_model(path)
+    assert model.arch == "arwkv7" and model.n_embd_r == N_EMBD and not model.compile_decode
+    assert (model.layers[0].g1 is not None) == spec["gated"]
+    ctx = Context(model, n_seq_max=2)
+    prompt = spec["prompt"]
+    ctx.decode(Batch(prompt, logits=[True] * len(prompt)))
+    close(ctx.logits, np.load(folder / "logits-prompt.npy"))
+    blob, want_blob = ctx.state_seq_get_data(0), (folder / "state-seq0.bin").read_bytes()
+    assert len(blob) == len(want_blob)
+    # the rows (after the 28-byte header, each row behind 12 bytes): r (n_embd) then s of each layer
+    offset = 28
+    for row_floats in [N_EMBD] * N_LAYER + [N_EMBD * 64] * N_LAYER:
+        assert blob[offset : offset + 12] == want_blob[offset : offset + 12]
+        got, want = (
+            np.frombuffer(b[offset + 12 : offset + 12 + 4 * row_floats], np.float32)
+            for b in (blob, want_blob)
+        )
+        close(torch.from_numpy(got.copy()), want)
+        offset += 12 + 4 * row_floats
+    assert offset == len(blob)
+    rows = []
+    for tok in spec["continuation"]:
+        ctx.decode(Batch([tok]))
+        rows.append(ctx.get_logits(-1))
+    close(torch.stack(rows), np.load(folder / "logits-continuation.npy"))
+    ctx.memory.seq_cp(0, 1, -1, -1)
+    ctx.decode(Batch(spec["pair"], seq_ids=[[0], [1]], logits=[True, True]))
+    close(ctx.logits, np.load(folder / "logits-pair.npy"))
