@@ -115,6 +115,24 @@ def matmul_ceiling(rows: int, d_model: int = 768) -> float:
     return 2 * rows * d_model * 4 * d_model / best / 1e9
 
 
+def read_bandwidth(threads: int) -> float:
+    """The machine's read bandwidth now, in GB/s: the best of five sums of a 512 MiB float32 tensor."""
+    big = torch.ones(128 << 20)
+    best = min(timed(lambda: big.sum()) for _ in range(5))
+    return big.numel() * 4 / best / 1e9
+
+
+def streamed_bytes(model) -> int:
+    """Bytes a one-sequence decode step reads from memory: every matrix once (the head included; the
+    embedding only one row), as held (float32, or a quantized matrix's blocks), plus the small tensors."""
+    from rsmem.models.ops.quantized import matrix_bytes
+
+    total = matrix_bytes(model.lm_head)
+    for layer in model.layers:
+        total += sum(matrix_bytes(getattr(layer, name)) for name in layer.__slots__)
+    return total
+
+
 def matmul_flops_per_token(model) -> int:
     names = ("in_proj", "x_proj", "dt_proj", "out_proj")
     n = sum(getattr(layer, k).numel() for layer in model.layers for k in names if hasattr(layer, k))
@@ -188,6 +206,7 @@ class ArchResult:
     ratios: dict[str, list[float]] = field(default_factory=dict)
     compiled: bool = False
     flops_per_token: int = 0
+    streamed: int = 0  # bytes a one-sequence decode step reads
     rows: list[str] = field(default_factory=list)  # the rows measured (``--rows`` plus the arch's own)
     resident: dict[str, int] = field(default_factory=dict)  # program -> resident bytes the model took
     file_bytes: int = 0
@@ -302,6 +321,7 @@ def measure_file(gguf_path: Path, args: argparse.Namespace, result: ArchResult) 
     model = runners["rsmem"].model  # type: ignore[union-attr]
     result.compiled = model.compile_decode
     result.flops_per_token = matmul_flops_per_token(model)
+    result.streamed = streamed_bytes(model)
     return result
 
 
@@ -354,6 +374,13 @@ def print_arch(
         ceiling = f"{gflops / ceilings[rows]:12.0%}" if rows in ceilings else ""
         line += f"{res.ratio(row):13.2f}{res.spread(row):>12}{ceiling}"
         print(line, flush=True)
+    if res.streamed and "decode1" in res.cols.get("rsmem", {}):
+        bound = args.bandwidth * 1e9 / res.streamed
+        reached = res.cols["rsmem"]["decode1"] / bound
+        print(
+            f"decode1 reads {res.streamed / 1e6:.0f} MB a token: at the {args.bandwidth:.1f} GB/s read here "
+            f"that bounds it to {bound:.0f} tokens/s; rsmem reached {reached:.0%}"
+        )
     memory = ", ".join(f"{name} {b / 1e6:.0f} MB" for name, b in res.resident.items())
     print(f"resident memory the model took: {memory}; file {res.file_bytes / 1e6:.0f} MB")
     if res.busy is not None:
@@ -413,6 +440,8 @@ def main() -> None:
     t0 = time.perf_counter()
     ceilings = {n: matmul_ceiling(n) for n in (*DECODE_SEQS, args.prompt)}
     print("torch f32 matmul ceiling (GFLOP/s):", {k: round(v, 1) for k, v in ceilings.items()})
+    args.bandwidth = read_bandwidth(args.threads)
+    print(f"read bandwidth (sum of 512 MiB, best of 5): {args.bandwidth:.1f} GB/s")
     print(f"rsmem's OpenMP wait policy: {rsmem.threads.wait_policy()}")
     archs = [] if args.skip_130m else ["mamba", "mamba2"] if args.arch == "both" else [args.arch]
     results = {}
