@@ -161,6 +161,20 @@ def test_op_under_torch_compile() -> None:
     assert_f32_close(torch.ops.rsmem.qmatmul(x, b[0], int(Q.Q8_0), k), x, b[0], Q.Q8_0, k)
 
 
+def test_op_under_torch_compile_with_a_dynamic_batch() -> None:
+    """As the models' batched steps compile it: the row count marked dynamic, one graph for every M."""
+    k = 256
+    blocks = random_blocks(Q.Q4_K, 21, k, seed=5)
+    compiled = torch.compile(lambda x, b: qmatmul(x, b, Q.Q4_K, k) * 2.0, fullgraph=True)
+    for m in (3, 5, 2):
+        x = torch.randn(m, k)
+        torch._dynamo.mark_dynamic(x, 0)
+        with torch.inference_mode():
+            y = compiled(x, blocks)
+        assert y.shape == (m, 21)
+        assert_f32_close(y / 2.0, x, blocks, Q.Q4_K, k)
+
+
 @pytest.fixture
 def fresh_build(monkeypatch: pytest.MonkeyPatch):
     build.reset()
