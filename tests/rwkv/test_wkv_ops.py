@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rsmem.models.ops.gla import gla_chunked_, gla_ref_, gla_step_
 from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_ref_, wkv7_step_
 from rsmem.models.ops.wkv6 import wkv6_chunked_, wkv6_ref_, wkv6_step_
 
@@ -86,3 +87,25 @@ def test_wkv6_step_is_one_token_of_the_recurrence() -> None:
     kv = k[:, 0, :, :, None] * v[:, 0, :, None, :]  # [Bs, H, K, V]
     torch.testing.assert_close(y, torch.einsum("bhk,bhkv->bhv", r[:, 0], s0 + u[None, :, :, None] * kv))
     torch.testing.assert_close(s1, s0 * w[..., None] + kv)
+
+
+@pytest.mark.parametrize(("length", "chunk"), [(1, 16), (16, 16), (37, 16), (40, 8)])
+def test_gla_chunked_matches_token_loop(length: int, chunk: int) -> None:
+    """rwkv6qwen2's gated linear attention: the chunked form (RWKV-6's kernel, q one place later) equals
+    the per-token loop, output and final state, from a non-zero state."""
+    g = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(2, length, 3, 64, generator=g) for _ in range(3))
+    log_w = -torch.exp(torch.randn(2, length, 3, 64, generator=g))
+    s0 = torch.randn(2, 3, 64, 64, generator=g)
+    ref, got = s0.clone(), s0.clone()
+    y_ref = gla_ref_(ref, q, log_w, k, v, 0.125)
+    y = gla_chunked_(got, q, log_w, k, v, 0.125, chunk)
+    assert y_ref.abs().max() > 1
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
+    # one step by hand: S = diag(w) S + k v^T, y = scale q^T S (the state after the token)
+    s = s0.clone()
+    y1 = gla_step_(s, q[:, 0], log_w[:, 0].exp(), k[:, 0], v[:, 0], 0.125)
+    want_s = s0 * log_w[:, 0].exp().unsqueeze(-1) + k[:, 0].unsqueeze(-1) * v[:, 0].unsqueeze(-2)
+    torch.testing.assert_close(s, want_s)
+    torch.testing.assert_close(y1, 0.125 * (q[:, 0].unsqueeze(-2) @ want_s).squeeze(-2), rtol=1e-5, atol=1e-4)

@@ -20,15 +20,17 @@ from rsmem.loaders.arwkv7 import arwkv7_config, build_arwkv7
 from rsmem.loaders.checkpoint import metadata_int as _int
 from rsmem.loaders.checkpoint import tensor_name as name
 from rsmem.loaders.rwkv6 import build_rwkv6, outer_tensors, rwkv6_config
+from rsmem.loaders.rwkv6qwen2 import build_rwkv6qwen2, rwkv6qwen2_config
 from rsmem.models.arwkv7 import Arwkv7Model
 from rsmem.models.compiled import CompileSetting
 from rsmem.models.rwkv6 import Rwkv6Config, Rwkv6Model
+from rsmem.models.rwkv6qwen2 import Rwkv6Qwen2Model
 from rsmem.models.rwkv7 import Rwkv7Config, Rwkv7Layer, Rwkv7Model, Rwkv7Weights
 
 if TYPE_CHECKING:
     from rsmem.loaders.checkpoint import Checkpoint
 
-RWKV_ARCHS = ("rwkv7", "rwkv6", "arwkv7")
+RWKV_ARCHS = ("rwkv7", "rwkv6", "arwkv7", "rwkv6qwen2")
 T = gguf.MODEL_TENSOR
 LERPS_7 = ("r", "w", "k", "v", "a", "g")  # order of time_mix_lerp_fused
 
@@ -42,6 +44,8 @@ def config_from_gguf(
         return rwkv6_config(key, n_vocab, optional)
     if arch == "arwkv7":
         return arwkv7_config(key, n_vocab, optional)
+    if arch == "rwkv6qwen2":
+        return rwkv6qwen2_config(key, n_vocab, optional)
     if arch != "rwkv7":
         raise ModelFormatError(f"unsupported RWKV architecture {arch!r}")
     shift = optional("token_shift_count")
@@ -69,7 +73,7 @@ def config_from_gguf(
 
 def build_rwkv(
     ckpt: Checkpoint, dtype: torch.dtype = torch.float32, compile: CompileSetting = None
-) -> Rwkv7Model | Rwkv6Model | Arwkv7Model:
+) -> Rwkv7Model | Rwkv6Model | Arwkv7Model | Rwkv6Qwen2Model:
     """The model of ``ckpt``; ``dtype``: its big matrices' (float32 or bfloat16); ``compile``: the compiled
     one-sequence decode step (see ``Rwkv7Model.set_compile``)."""
     if ckpt.arch == "rwkv7":
@@ -78,6 +82,8 @@ def build_rwkv(
         return build_rwkv6(ckpt, dtype, compile)
     if ckpt.arch == "arwkv7":
         return build_arwkv7(ckpt, dtype, compile)
+    if ckpt.arch == "rwkv6qwen2":
+        return build_rwkv6qwen2(ckpt, dtype, compile)
     raise ModelFormatError(f"{ckpt.source}: unsupported architecture {ckpt.arch!r}")
 
 

@@ -22,6 +22,7 @@ from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.protocol import StateAccess
 from rsmem.models.rwkv7 import Rwkv7Config, Rwkv7Model, token_shift
+from rsmem.models.rwkv_base import RmsBodyWeights
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,15 +64,7 @@ class Arwkv7Layer:
     ln_x_b: torch.Tensor | None = None
 
 
-@dataclass(slots=True)
-class Arwkv7Weights:
-    embedding: torch.Tensor
-    layers: list[Arwkv7Layer]
-    norm_f: torch.Tensor
-    lm_head: torch.Tensor
-    emb_norm: None = None  # no embedding norm (the shared holder reads these names)
-    emb_norm_b: None = None
-    norm_f_b: None = None
+Arwkv7Weights = RmsBodyWeights  # embedding, layers (Arwkv7Layer), output norm, head
 
 
 class Arwkv7Model(Rwkv7Model):

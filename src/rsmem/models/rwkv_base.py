@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -28,6 +29,20 @@ if TYPE_CHECKING:
     from rsmem.batch.batch import UBatch
 
 GROUP_NORM_EPS = 64e-5  # the time mix's per-head norm, fixed in llama.cpp and the rwkv package
+
+
+@dataclass(slots=True)
+class RmsBodyWeights:
+    """The weights around the blocks of the RWKV variants in a transformer's body (ARWKV-7, QRWKV-6): no
+    embedding norm, an RMS output norm (no bias), the head; ``layers`` the model's layer class."""
+
+    embedding: torch.Tensor
+    layers: list[Any]
+    norm_f: torch.Tensor
+    lm_head: torch.Tensor
+    emb_norm: None = None
+    emb_norm_b: None = None
+    norm_f_b: None = None
 
 
 class RwkvConfig(Protocol):

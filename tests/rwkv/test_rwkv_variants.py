@@ -1,7 +1,9 @@
-"""ARWKV-7 (llama.cpp's ``arwkv7``) against llama.cpp b11312 itself: the test builds the random GGUF of
-``arwkv7_reference.py`` (the same bytes llama.cpp ran, checked by sha256) and rsmem gives llama.cpp's
-logits for a prompt, tokens one by one, and a forked pair in one batch, and its state blob; with and
-without the optional gate and WKV output norm (fixtures: ``tests/fixtures/llamacpp/rwkv/arwkv7*``)."""
+"""ARWKV-7 and QRWKV-6 (llama.cpp's ``arwkv7``, ``rwkv6qwen2``) against llama.cpp b11312 itself: the test
+builds the random GGUF of ``rwkv_variants.py`` (the same bytes llama.cpp ran, checked by sha256) and rsmem
+gives llama.cpp's logits for a prompt, tokens one by one, and a forked pair in one batch, and its state
+blob; ARWKV-7 with and without the optional gate and WKV output norm, QRWKV-6 with two key/value heads
+and with one shared by both heads plus biases (fixtures: ``tests/fixtures/llamacpp/rwkv/arwkv7*``,
+``rwkv6qwen2*``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from arwkv7_reference import N_EMBD, N_LAYER, random_arwkv7_gguf, sha256
+from rwkv_variants import N_EMBD, N_LAYER, random_arwkv7_gguf, random_rwkv6qwen2_gguf, sha256
 
 import rsmem
 from rsmem import Batch, Context
@@ -25,15 +27,27 @@ def close(got: torch.Tensor, want: np.ndarray) -> None:
     torch.testing.assert_close(got, want_t, rtol=0, atol=2e-4 * float(want_t.abs().max()))
 
 
-@pytest.mark.parametrize("name", ["arwkv7", "arwkv7-nogate"])
-def test_arwkv7_matches_llamacpp(name: str, tmp_path: Path) -> None:
+BUILDS = {
+    "arwkv7": lambda p: random_arwkv7_gguf(p, gated=True, seed=3),
+    "arwkv7-nogate": lambda p: random_arwkv7_gguf(p, gated=False, seed=3),
+    "rwkv6qwen2": lambda p: random_rwkv6qwen2_gguf(p, gqa=False, seed=4),
+    "rwkv6qwen2-gqa": lambda p: random_rwkv6qwen2_gguf(p, gqa=True, seed=4),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_variant_matches_llamacpp(name: str, tmp_path: Path) -> None:
     folder = FIXTURES / name
     spec = json.loads((folder / "fixture.json").read_text())
-    path = random_arwkv7_gguf(tmp_path / "model.gguf", gated=spec["gated"], seed=spec["seed"])
+    path = BUILDS[name](tmp_path / "model.gguf")
     assert sha256(path) == spec["gguf_sha256"], "the GGUF built here differs from the one llama.cpp ran"
     model = rsmem.load_model(path)
-    assert model.arch == "arwkv7" and model.n_embd_r == N_EMBD and not model.compile_decode
-    assert (model.layers[0].g1 is not None) == spec["gated"]
+    assert model.arch == name.split("-")[0] and model.n_embd_r == N_EMBD and not model.compile_decode
+    if name.startswith("arwkv7"):
+        assert (model.layers[0].g1 is not None) == (name == "arwkv7")
+    else:
+        assert model.config.kv_heads == (1 if name.endswith("gqa") else 2)
+        assert (model.layers[0].key_b is not None) == name.endswith("gqa")
     ctx = Context(model, n_seq_max=2)
     prompt = spec["prompt"]
     ctx.decode(Batch(prompt, logits=[True] * len(prompt)))
