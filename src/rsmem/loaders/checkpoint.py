@@ -20,7 +20,7 @@ from rsmem.models.mamba2 import Mamba2Config, Mamba2Layer, Mamba2Model, Mamba2We
 from rsmem.models.nemotron_h import NemotronHModel
 from rsmem.models.ops.quantized import Matrix, QuantMatrix
 
-SUPPORTED_ARCHS = ("mamba", "mamba2", "lfm2", "nemotron_h", "rwkv7", "rwkv6", "arwkv7")
+SUPPORTED_ARCHS = ("mamba", "mamba2", "lfm2", "nemotron_h", "rwkv7", "rwkv6", "arwkv7", "rwkv6qwen2")
 T = gguf.MODEL_TENSOR
 
 
