@@ -17,6 +17,7 @@ from rwkv_variants import N_EMBD, N_LAYER, random_arwkv7_gguf, random_rwkv6qwen2
 
 import rsmem
 from rsmem import Batch, Context
+from rsmem.cli import main
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv"
 
@@ -73,3 +74,13 @@ def test_variant_matches_llamacpp(name: str, tmp_path: Path) -> None:
     ctx.memory.seq_cp(0, 1, -1, -1)
     ctx.decode(Batch(spec["pair"], seq_ids=[[0], [1]], logits=[True, True]))
     close(ctx.logits, np.load(folder / "logits-pair.npy"))
+
+
+@pytest.mark.parametrize(("name", "layout"), [("arwkv7", "[H, V, K]"), ("rwkv6qwen2-gqa", "[H, K, V]")])
+def test_info_describes_variants(name: str, layout: str, tmp_path: Path, capsys) -> None:
+    path = BUILDS[name](tmp_path / "model.gguf")
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"architecture:    {name.split('-')[0]}" in out
+    assert f"r: token shift 1 x {N_EMBD}; s: WKV {layout} = 2 x 64 x 64" in out
+    assert f"state per seq:   {N_LAYER * 4 * (N_EMBD + N_EMBD * 64)} bytes" in out

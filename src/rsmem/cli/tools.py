@@ -101,8 +101,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"state per layer: r {model.n_embd_r} + s {model.n_embd_s} floats")
     if rwkv and cfg is not None:  # llama.cpp's layout: the two token-shift rows, then the heads' WKV states
         h, n = cfg.n_head, cfg.head_size
-        s_layout = "[H, K, V]" if model.arch == "rwkv6" else "[H, V, K]"
-        print(f"{'':<16} r: token shift 2 x {cfg.d_model}; s: WKV {s_layout} = {h} x {n} x {n}")
+        s_layout = "[H, K, V]" if model.arch in ("rwkv6", "rwkv6qwen2") else "[H, V, K]"
+        shifts = model.n_embd_r // cfg.d_model  # 1 in ARWKV-7 and QRWKV-6 (no channel mix)
+        print(f"{'':<16} r: token shift {shifts} x {cfg.d_model}; s: WKV {s_layout} = {h} x {n} x {n}")
     print(f"state per seq:   {state} bytes ({state / 1024:.1f} KiB, f32)")
     if hybrid:
         _print_kv(model)
@@ -120,7 +121,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-RWKV_ARCHS = ("rwkv6", "rwkv7")
+RWKV_ARCHS = ("rwkv6", "rwkv7", "arwkv7", "rwkv6qwen2")
 # the attributes holding a model's weights (those it has): embedding, RWKV's embedding norm, layers, head
 WEIGHTS = ("embedding", "emb_norm", "emb_norm_b", "norm_f", "norm_f_b", "lm_head", "layers")
 
