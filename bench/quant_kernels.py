@@ -15,14 +15,20 @@ weights from memory, not from the 32 MiB L3 cache, as a model's decode step does
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
 from functools import partial
 
 import numpy as np
+
+# isort: off
+import rsmem  # first: it sets OpenMP's wait policy, which libgomp reads when torch loads (rsmem.threads)
 import torch
 import torch.nn.functional as F
+
+# isort: on
 
 from rsmem.kernels import KERNEL_TYPES, qmatmul
 from rsmem.kernels.build import native_ops
@@ -84,6 +90,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="weights read from memory, not cache")
     args = ap.parse_args()
     ops = native_ops()
+    print(f"rsmem {rsmem.__version__}: OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
     print(f"kernels: {ops.isa() if ops is not None else 'reference (disabled or failed)'}; cold: {args.cold}")
 
     rng = np.random.default_rng(0)
