@@ -115,7 +115,7 @@ def test_one_log_line_names_the_dequantized_types(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.INFO, logger="rsmem.loaders"):
         rsmem.load_model(path)
     lines = [r.getMessage() for r in caplog.records if r.name == "rsmem.loaders"]
-    assert lines == ["q5_1.gguf: dequantized Q5_1 (1 tensor) to float32 at load"]
+    assert lines == ["q5_1.gguf: requantized Q5_1 (1 tensor) to Q8_0 at load"]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="rsmem.loaders"):
         rsmem.load_model(FIXTURES / "mamba2" / "model-q4_k_m.gguf")  # every matrix kept
@@ -190,7 +190,7 @@ def test_every_type_loads_as_gguf_dequantizes_it(
     dequantization of the same bytes (the reference llama.cpp's -dequant fixtures were made with); the
     kernel types with the kernels off (their reference twin: float32 activations), since the kernels'
     prefill route rounds activations to bf16 (tests/kernels bound that against the twin)."""
-    if qtype in KERNEL_TYPES:
+    if qtype in DEQUANTIZED:  # kept or requantized: the twin's float32 activations
         kernels_off(monkeypatch)
     raw = {n: _blocks_of(qtype, v, i) for i, (n, v) in enumerate(_base_matrices().items())}
     quant = _rewrite(tmp_path / "q.gguf", lambda n, v: (raw[n], qtype) if n in raw else None)
@@ -199,15 +199,19 @@ def test_every_type_loads_as_gguf_dequantizes_it(
     def dequantized(name: str, v: np.ndarray) -> tuple[np.ndarray, Q] | None:
         if name not in raw:
             return None
-        return np.ascontiguousarray(gguf.quants.dequantize(raw[name], qtype), np.float32), Q.F32
+        values = np.ascontiguousarray(gguf.quants.dequantize(raw[name], qtype), np.float32)
+        if qtype not in KERNEL_TYPES and qtype in DEQUANTIZED:  # Mamba-2 holds it requantized to Q8_0
+            values = gguf.quants.dequantize(gguf.quants.quantize(values, Q.Q8_0), Q.Q8_0)
+        return values, Q.F32
 
     ref = _rewrite(tmp_path / "f32.gguf", dequantized)
     fx = json.loads((FIXTURES / "mamba2" / "fixture.json").read_text())
     got, want = _logits(rsmem.load_model(quant), fx), _logits(rsmem.load_model(ref), fx)
     assert bool(torch.isfinite(want[0]).all())
-    # dequantized at load: the same float32 model, bit for bit; kept in blocks: the kernels' products sum
-    # in another order than torch's matmul (their own tests check them against the reference twin)
-    atol = 2e-5 * float(want[0].abs().max()) if qtype in KERNEL_TYPES else 0.0
+    # F16/BF16 converted at load: the same float32 model, bit for bit; quantized matrices (kept in their
+    # blocks, or requantized to Q8_0) go through the reference twin, which sums in another order than
+    # torch's matmul (tests/kernels check the kernels against the twin)
+    atol = 2e-5 * float(want[0].abs().max()) if qtype in DEQUANTIZED else 0.0
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=atol)
 

@@ -43,6 +43,7 @@ class Holding(Enum):
     CONVERTED = "converted to float32 at load"
     DEQUANTIZED = "dequantized to float32 at load"
     KEPT = "kept in its blocks (rsmem's kernels)"
+    REQUANTIZED = "requantized to Q8_0 at load (rsmem's kernels)"
 
 
 FLOAT_TYPES = {
@@ -76,6 +77,8 @@ def holding_of(qtype: gguf.GGMLQuantizationType, keep: bool) -> Holding | None:
     multiplies quantized matrices) and rsmem has kernels for the type (``KERNEL_TYPES``)."""
     if keep and qtype in KERNEL_TYPES:
         return Holding.KEPT
+    if keep and HOLDING.get(qtype) is Holding.DEQUANTIZED:
+        return Holding.REQUANTIZED
     return HOLDING.get(qtype)
 
 
@@ -131,6 +134,22 @@ def hold(
     of the file's blocks; ModelFormatError names the tensor if its type or bytes are unusable."""
     if keep and t.tensor_type in KERNEL_TYPES and len(t.shape) == 2:
         return _keep(t, source)
+    values = _float32(t, source)
+    if keep and len(t.shape) == 2 and HOLDING.get(t.tensor_type) is Holding.DEQUANTIZED:
+        return _requantized(values)
+    return values
+
+
+def _requantized(values: torch.Tensor) -> QuantMatrix:
+    """A matrix of a quantized type without a kernel, as Q8_0 blocks (gguf's quantizer, llama.cpp's
+    bytes): a quarter of float32's memory, within half a step of 1/127 of each block's largest value."""
+    blocks = gguf.quants.quantize(values.numpy(), Q.Q8_0)
+    n_out, n_in = values.shape
+    return QuantMatrix(torch.from_numpy(np.ascontiguousarray(blocks)), int(Q.Q8_0), (n_out, n_in))
+
+
+def _float32(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> torch.Tensor:
+    """The tensor as float32 (see :func:`hold`)."""
     holding = HOLDING.get(t.tensor_type)
     if holding is None:
         raise ModelFormatError(
@@ -221,6 +240,8 @@ class TypeSummary:
     def held_bytes(self) -> int:
         if self.holding is Holding.KEPT:
             return self.file_bytes
+        if self.holding is Holding.REQUANTIZED:
+            return self.values // 32 * 34
         return 4 * self.values if self.holding is not None else 0
 
 
@@ -259,15 +280,20 @@ def keeps_quantized(arch: str) -> bool:
 
 
 def dequantized_note(source: str | os.PathLike[str], summary: Sequence[TypeSummary]) -> str | None:
-    """The one line saying which quantized types of a file were dequantized, or None if none were."""
-    parts = [
-        f"{s.type_name} ({s.tensors} tensor{'s' if s.tensors != 1 else ''})"
-        for s in summary
-        if s.holding is Holding.DEQUANTIZED
-    ]
-    if not parts:
+    """The one line saying which quantized types of a file were dequantized (to float32, or requantized to
+    Q8_0 for a model that multiplies quantized matrices), or None if none were."""
+    lines = []
+    for holding, what in ((Holding.DEQUANTIZED, "dequantized"), (Holding.REQUANTIZED, "requantized")):
+        parts = [
+            f"{s.type_name} ({s.tensors} tensor{'s' if s.tensors != 1 else ''})"
+            for s in summary
+            if s.holding is holding
+        ]
+        if parts:
+            lines.append(f"{what} {', '.join(parts)} to {'Q8_0' if what == 'requantized' else 'float32'}")
+    if not lines:
         return None
-    return f"{Path(source).name}: dequantized {', '.join(parts)} to float32 at load"
+    return f"{Path(source).name}: {'; '.join(lines)} at load"
 
 
 def load_tensors(
