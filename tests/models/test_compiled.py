@@ -210,7 +210,7 @@ def test_bf16_single_sequence_stays_eager() -> None:
         ctx.decode(rsmem.Batch([6, 7], seq_ids=[[0], [1]], logits=[True, True]))  # the compiled mixer
         logits[compile_decode] = ctx.logits
     torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-4)
-    assert not bf16._token_step_one._checked and bf16._mixer_step._checked
+    assert not bf16._token_step_one._checked and bf16._token_step_many._checked
     assert not bf16._rows_contiguous
     assert _model("mamba2")._rows_contiguous == packing_enabled()  # f32 with packing: held [out, in]
 

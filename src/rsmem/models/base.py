@@ -18,7 +18,7 @@ from rsmem.batch.batch import Batch, UBatch
 from rsmem.hugepages import huge_page_copies
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import CapturePoints, output_rows
-from rsmem.models.ops.fused import token_step
+from rsmem.models.ops.fused import Packed, RowsOperand, token_step, token_step_many
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.ops.quantized import Matrix, QuantMatrix, as_float32, embed, out_in, same_storage
@@ -121,12 +121,27 @@ class MambaFamilyModel:
         self.compile_decode = resolve_compile(setting, self._n_matrix_weights, self.norm_f.device)
         if self.compile_decode and not hasattr(self, "_token_step_one"):
             layer_fn, n_fields, consts = self.layer_one()
-            # args: x, norm_f, lm_head, eps, then per layer n_fields tensors ending with window and h
-            self._token_step_one = CompiledStep(
-                token_step(layer_fn, n_fields, consts),
-                mutated=lambda i: i >= 4 and (i - 4) % n_fields >= n_fields - 2,
+
+            def mutated(i: int) -> bool:  # args: x, norm_f, lm_head, eps, then per layer n_fields tensors
+                return i >= 4 and (i - 4) % n_fields >= n_fields - 2  # ending with window and h
+
+            self._token_step_one = CompiledStep(token_step(layer_fn, n_fields, consts), mutated=mutated)
+            states = [
+                4 + il * n_fields + k for il in range(self.n_layer) for k in (n_fields - 2, n_fields - 1)
+            ]
+            self._token_step_many = CompiledStep(
+                token_step_many(self.layer_many(), n_fields, consts), batch_args=(0, *states), mutated=mutated
             )
             self.make_compiled_steps()
+            # what the steps take besides x and the states: (step, head, each layer's weights), for one
+            # sequence (matrices [out, in]) and for several (matrices as rows_operand gives them)
+            self._step_args = [
+                (step, operand(self.lm_head), [self.layer_args(ly, operand) for ly in self.layers])
+                for step, operand in (
+                    (self._token_step_one, out_in),
+                    (self._token_step_many, self.rows_operand),
+                )
+            ]
         return self.compile_decode
 
     def warm_up(self) -> float:
@@ -148,26 +163,28 @@ class MambaFamilyModel:
         return time.perf_counter() - started
 
     def make_compiled_steps(self) -> None:
-        """Create the architecture's :class:`~rsmem.models.compiled.CompiledStep` objects."""
-        raise NotImplementedError
+        """Create the architecture's :class:`~rsmem.models.compiled.CompiledStep` objects besides the whole
+        decode steps (Mamba: its prefill scan blocks)."""
 
     def layer_one(self) -> tuple[Callable[..., torch.Tensor], int, tuple[float | int, ...]]:
         """The architecture's one-sequence block of :mod:`~rsmem.models.ops.fused`, the number of tensors
-        :meth:`layer_one_args` gives it, and the constants that follow them."""
+        :meth:`layer_args` and the two states give it, and the constants that follow them."""
         raise NotImplementedError
 
-    def layer_one_args(self, layer: Any, window: torch.Tensor, h: torch.Tensor) -> tuple[Matrix, ...]:
-        """One layer's tensors for the block of :meth:`layer_one`, matrices as ``[out, in]``, ending with
-        ``window`` and ``h`` (the states it updates)."""
+    def layer_many(self) -> Callable[..., torch.Tensor]:
+        """The block of :meth:`layer_one` for one token of each of several sequences (same arguments)."""
         raise NotImplementedError
 
-    def decode_layer(
-        self, layer: Any, x: torch.Tensor, window: torch.Tensor, h: torch.Tensor
-    ) -> torch.Tensor:
-        """One block for one token of each of several sequences (two or more) through the compiled steps:
-        ``x`` ``[Bs, d_model]`` -> the new residual; updates ``window`` and ``h`` in place. (One sequence
-        runs the whole token as one compiled call: :meth:`layer_one`.)"""
+    def layer_args(self, layer: Any, operand: Callable[[Matrix], Any]) -> tuple[Any, ...]:
+        """One layer's tensors for the blocks of :meth:`layer_one` and :meth:`layer_many`, but for the
+        ``window`` and ``h`` that end them (the states they update), each matrix as ``operand`` gives it."""
         raise NotImplementedError
+
+    def rows_operand(self, weight_t: Matrix) -> RowsOperand:
+        """A matrix ``[in, out]`` of this model as :func:`~rsmem.models.ops.fused.matmul_rows` takes it for
+        several rows: its oneDNN packed twin when it has one, else ``[out, in]``."""
+        packed = self.packed.twin(weight_t)
+        return Packed(packed) if packed is not None else out_in(weight_t)
 
     def is_recurrent_layer(self, il: int) -> bool:
         return True
@@ -199,19 +216,17 @@ class MambaFamilyModel:
         """:meth:`forward` for one token a sequence (``tokens`` ``[Bs]``) through the compiled steps."""
         eps = self.config.eps
         x = embed(self.embedding, tokens)  # [Bs, d_model]
-        if x.shape[0] == 1:  # every layer and the head in one compiled call
-            views = [self.state_views(*states.read_states(il), 1) for il in range(self.n_layer)]
-            flat = [t for ly, v in zip(self.layers, views, strict=True) for t in self.layer_one_args(ly, *v)]
-            logits = self._token_step_one(x, self.norm_f, out_in(self.lm_head), eps, *flat)
-            for il, (window, h) in enumerate(views):
-                states.write_states(il, window, h)
-            return logits[: len(ubatch.output_rows())]
-        for il, layer in enumerate(self.layers):
-            r, s = states.read_states(il)
-            window, h = self.state_views(r, s, x.shape[0])
-            x = self.decode_layer(layer, x, window, h)
+        n_seqs = x.shape[0]
+        views = [self.state_views(*states.read_states(il), n_seqs) for il in range(self.n_layer)]
+        step, head, weights = self._step_args[n_seqs > 1]
+        flat = [t for w, v in zip(weights, views, strict=True) for t in (*w, *v)]
+        logits = step(x, self.norm_f, head, eps, *flat)
+        for il, (window, h) in enumerate(views):
             states.write_states(il, window, h)
-        return self.head(x, ubatch)
+        rows = ubatch.output_rows()
+        if len(rows) == n_seqs:
+            return logits
+        return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
 
     def head(self, x: torch.Tensor, ubatch: UBatch) -> torch.Tensor:
         """Logits of the micro-batch's output rows of the residual stream ``x``: final norm, LM head."""

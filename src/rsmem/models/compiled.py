@@ -106,6 +106,7 @@ class CompiledStep(Generic[R]):
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
         self.failed: BaseException | None = None
         self._checked = False
+        self._dynamic = False  # compiled once with the batch dimension marked dynamic
 
     def check(self, args: tuple[Any, ...]) -> bool:
         """Compile by running on zero stand-ins for the written and batch arguments (the memory's rows stay
@@ -130,9 +131,12 @@ class CompiledStep(Generic[R]):
         return self.failed is None
 
     def _call(self, args: tuple[Any, ...]) -> R:
-        for i in self.batch_args:
-            torch._dynamo.mark_dynamic(args[i], 0)
-        return self._compiled(*args)
+        if not self._dynamic:  # once compiled with a symbolic batch size, every later size matches it
+            for i in self.batch_args:
+                torch._dynamo.mark_dynamic(args[i], 0)
+        out = self._compiled(*args)
+        self._dynamic = bool(self.batch_args)
+        return out
 
     def __call__(self, *args: Any) -> R:
         """The compiled function when it works here, else the eager one (same results)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,14 +20,12 @@ from rsmem.models.compiled import CompiledStep, CompileSetting
 from rsmem.models.ops.common import CapturePoints
 from rsmem.models.ops.conv import causal_conv1d_, conv_windows_at
 from rsmem.models.ops.fused import (
-    conv_step_,
+    mamba_layer_many_,
     mamba_layer_one_,
     mamba_scan_block,
-    mamba_ssm_step_,
     selective_scan_blocked_at_,
 )
-from rsmem.models.ops.norm import rms_norm
-from rsmem.models.ops.quantized import Matrix, out_in
+from rsmem.models.ops.quantized import Matrix
 from rsmem.models.ops.selective_scan import selective_scan_at_
 
 
@@ -129,30 +128,18 @@ class MambaModel(MambaFamilyModel):
         return out, None if windows_at is None else (windows_at, h_at)
 
     def make_compiled_steps(self) -> None:
-        self._conv_step = CompiledStep(conv_step_, batch_args=(0, 1), mutated=(1,))
-        self._ssm_step = CompiledStep(mamba_ssm_step_, batch_args=(0, 1, 2, 7), mutated=(7,))
         self._scan_block_one = CompiledStep(mamba_scan_block)
         self._scan_block_many = CompiledStep(mamba_scan_block, batch_args=(0, 1, 2, 4, 5))
 
     def layer_one(self) -> tuple[Callable[..., torch.Tensor], int, tuple[float | int, ...]]:
         return mamba_layer_one_, 12, (self.config.eps, self.config.dt_rank, self.config.d_state)
 
-    def layer_one_args(self, layer: MambaLayer, window: torch.Tensor, h: torch.Tensor) -> tuple[Matrix, ...]:
+    def layer_many(self) -> Callable[..., torch.Tensor]:
+        return mamba_layer_many_
+
+    def layer_args(self, layer: MambaLayer, operand: Callable[[Matrix], Any]) -> tuple[Any, ...]:
         ly = layer
         return (
-            ly.norm, out_in(ly.in_proj), ly.conv_weight, ly.conv_bias, out_in(ly.x_proj), ly.dt_proj,
-            ly.dt_bias, ly.A, ly.D, out_in(ly.out_proj), window, h,
+            ly.norm, operand(ly.in_proj), ly.conv_weight, ly.conv_bias, operand(ly.x_proj), ly.dt_proj,
+            ly.dt_bias, ly.A, ly.D, operand(ly.out_proj),
         )  # fmt: skip
-
-    def decode_layer(
-        self, layer: MambaLayer, x: torch.Tensor, window: torch.Tensor, h: torch.Tensor
-    ) -> torch.Tensor:
-        """Several sequences: the packed products eagerly, the conv and the state update compiled between
-        them (one sequence runs the whole step as one compiled function, see ``decode_forward``)."""
-        cfg = self.config
-        ly = layer
-        xs, z = self.linear(rms_norm(x, ly.norm, cfg.eps), ly.in_proj).split(cfg.d_inner, dim=-1)
-        xc = self._conv_step(xs, window, ly.conv_weight, ly.conv_bias)
-        dbc = self.linear(xc, ly.x_proj)
-        y = self._ssm_step(dbc, xc, z, ly.dt_proj, ly.dt_bias, ly.A, ly.D, h, cfg.dt_rank, cfg.d_state)
-        return x + self.linear(y, ly.out_proj)

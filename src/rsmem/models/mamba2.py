@@ -10,17 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from rsmem.models.base import MambaFamilyModel
-from rsmem.models.compiled import CompiledStep, CompileSetting
+from rsmem.models.compiled import CompileSetting
 from rsmem.models.ops.common import CapturePoints
 from rsmem.models.ops.conv import causal_conv1d_, conv_windows_at
-from rsmem.models.ops.fused import mamba2_layer_one_, mamba2_mixer_step_
-from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
-from rsmem.models.ops.quantized import Matrix, out_in
+from rsmem.models.ops.fused import mamba2_layer_many_, mamba2_layer_one_
+from rsmem.models.ops.norm import gated_group_rms_norm
+from rsmem.models.ops.quantized import Matrix
 from rsmem.models.ops.ssd import ssd_chunked_at_
 
 
@@ -136,29 +137,15 @@ class Mamba2Model(MambaFamilyModel):
         )
         return self.linear(y, layer.out_proj), None if windows_at is None else (windows_at, h_at)
 
-    def make_compiled_steps(self) -> None:
-        self._mixer_step = CompiledStep(mamba2_mixer_step_, batch_args=(0, 1, 8), mutated=(1, 8))
-
     def layer_one(self) -> tuple[Callable[..., torch.Tensor], int, tuple[float | int, ...]]:
         return mamba2_layer_one_, 11, (self.config.n_group, self.config.eps)
 
-    def layer_one_args(self, layer: Mamba2Layer, window: torch.Tensor, h: torch.Tensor) -> tuple[Matrix, ...]:
+    def layer_many(self) -> Callable[..., torch.Tensor]:
+        return mamba2_layer_many_
+
+    def layer_args(self, layer: Mamba2Layer, operand: Callable[[Matrix], Any]) -> tuple[Any, ...]:
         ly = layer
         return (
-            ly.norm, out_in(ly.in_proj), ly.conv_weight, ly.conv_bias, ly.dt_bias, ly.A, ly.D, ly.ssm_norm,
-            out_in(ly.out_proj), window, h,
+            ly.norm, operand(ly.in_proj), ly.conv_weight, ly.conv_bias, ly.dt_bias, ly.A, ly.D, ly.ssm_norm,
+            operand(ly.out_proj),
         )  # fmt: skip
-
-    def decode_layer(
-        self, layer: Mamba2Layer, x: torch.Tensor, window: torch.Tensor, h: torch.Tensor
-    ) -> torch.Tensor:
-        """Several sequences: the packed products eagerly, everything between them in one compiled function
-        (one sequence runs the whole step as one compiled function, see ``decode_forward``)."""
-        cfg = self.config
-        ly = layer
-        zxbcdt = self.linear(rms_norm(x, ly.norm, cfg.eps), ly.in_proj)
-        y = self._mixer_step(
-            zxbcdt, window, ly.conv_weight, ly.conv_bias, ly.dt_bias, ly.A, ly.D, ly.ssm_norm, h,
-            cfg.n_group, cfg.eps,
-        )  # fmt: skip
-        return x + self.linear(y, ly.out_proj)

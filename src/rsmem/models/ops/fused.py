@@ -13,7 +13,8 @@ is chosen for what inductor makes of them on a CPU:
   step (the form that reduces over ``h_t`` stores it to a temporary, writes it again, and reads it back:
   ~3x slower at 64 sequences of Mamba-2).
 - :func:`token_step` chains the one-sequence blocks and the head into one function: one compiled call a
-  token.
+  token. :func:`token_step_many` does the same for several sequences (one token each), its products
+  :func:`matmul_rows` (an extern GEMM call inside the compiled code), with a dynamic batch size.
 - :func:`mamba_scan_block` is Mamba's recurrence over 16 tokens as plain steps, unrolled by inductor.
 
 Shapes: ``x`` is the residual stream ``[Bs, d_model]``; matrices are ``[out, in]`` (any strides); ``window``
@@ -40,6 +41,51 @@ def gemv(x: torch.Tensor, weight: Matrix) -> torch.Tensor:
     if isinstance(weight, QuantMatrix):
         return weight.matmul_t(x)
     return (weight * x.unsqueeze(-2)).sum(-1)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+
+
+def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], packed.shape[0]))
+
+
+# rsmem::packed_linear(x, packed): oneDNN's product with a packed [out, in] matrix (ops.packed) as an op
+# inductor calls as it is (its own lowering of mkldnn._linear_pointwise expects the matrices it packed).
+_lib = torch.library.Library("rsmem", "FRAGMENT")
+_lib.define("packed_linear(Tensor x, Tensor packed) -> Tensor")
+_lib.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("rsmem::packed_linear", _packed_linear_fake, lib=_lib)
+
+
+class Packed:
+    """A oneDNN packed ``[out, in]`` matrix (:meth:`~rsmem.models.ops.packed.PackedMatrices.twin`) as
+    :func:`matmul_rows` takes it (inside a compiled function a packed tensor cannot be told from a plain one
+    by its layout; this type can)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.packed = packed
+
+
+RowsOperand = Matrix | Packed
+
+
+def matmul_rows(x: torch.Tensor, weight: RowsOperand) -> torch.Tensor:
+    """``x @ weight.T`` for several rows ``x`` ``[Bs, in]`` and ``weight`` ``[out, in]``, float32. A
+    :class:`Packed` matrix goes through ``rsmem::packed_linear`` (1.3-2.7x the plain GEMM for 4-64 rows); a
+    plain one is a GEMM; a bf16 ``weight`` multiplies ``x`` rounded to bf16, as
+    :func:`~rsmem.models.ops.common.linear` does; a :class:`~rsmem.models.ops.quantized.QuantMatrix` goes to
+    its kernel."""
+    if isinstance(weight, QuantMatrix):
+        return weight.matmul_t(x)
+    if isinstance(weight, Packed):
+        return torch.ops.rsmem.packed_linear(x, weight.packed)
+    if weight.dtype == x.dtype:
+        return x @ weight.t()
+    return (x.to(weight.dtype) @ weight.t()).float()
 
 
 def conv_step_(
@@ -101,6 +147,33 @@ def mamba_layer_one_(
     dbc = gemv(xc, x_proj)
     y = mamba_ssm_step_(dbc, xc, xz[:, d_inner:], dt_proj, dt_bias, A, D, h, dt_rank, d_state)
     return x + gemv(y, out_proj)
+
+
+def mamba_layer_many_(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    in_proj: RowsOperand,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor,
+    x_proj: RowsOperand,
+    dt_proj: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    out_proj: RowsOperand,
+    window: torch.Tensor,
+    h: torch.Tensor,
+    eps: float,
+    dt_rank: int,
+    d_state: int,
+) -> torch.Tensor:
+    """:func:`mamba_layer_one_` for one token of each of several sequences (products :func:`matmul_rows`)."""
+    d_inner = conv_weight.shape[0]
+    xz = matmul_rows(rms_norm(x, norm, eps), in_proj)
+    xc = conv_step_(xz[:, :d_inner], window, conv_weight, conv_bias)
+    dbc = matmul_rows(xc, x_proj)
+    y = mamba_ssm_step_(dbc, xc, xz[:, d_inner:], dt_proj, dt_bias, A, D, h, dt_rank, d_state)
+    return x + matmul_rows(y, out_proj)
 
 
 # Tokens a compiled scan block advances: 16 steps unrolled into one kernel (compiles in a few seconds).
@@ -248,6 +321,28 @@ def mamba2_layer_one_(
     return x + gemv(y, out_proj)
 
 
+def mamba2_layer_many_(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    in_proj: RowsOperand,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    ssm_norm: torch.Tensor,
+    out_proj: RowsOperand,
+    window: torch.Tensor,
+    h: torch.Tensor,
+    n_group: int,
+    eps: float,
+) -> torch.Tensor:
+    """:func:`mamba2_layer_one_` for one token of each of several sequences (products :func:`matmul_rows`)."""
+    zxbcdt = matmul_rows(rms_norm(x, norm, eps), in_proj)
+    y = mamba2_mixer_step_(zxbcdt, window, conv_weight, conv_bias, dt_bias, A, D, ssm_norm, h, n_group, eps)
+    return x + matmul_rows(y, out_proj)
+
+
 def head_one(x: torch.Tensor, norm_f: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
     """Final norm and LM head for one row: ``[1, d_model]`` -> ``[1, n_vocab]`` logits."""
     return gemv(rms_norm(x, norm_f, eps), lm_head)
@@ -269,3 +364,22 @@ def token_step(
         return head_one(x, norm_f, lm_head, eps)
 
     return token_step_one
+
+
+def token_step_many(
+    layer_many: Callable[..., torch.Tensor], n_fields: int, consts: tuple[float | int, ...]
+) -> Callable[..., torch.Tensor]:
+    """:func:`token_step` for one token of each of several sequences: ``layer_many`` (a ``*_layer_many_``
+    block) over each layer, the final norm and the head of every row, ``(x [Bs, d_model], norm_f, lm_head,
+    eps, *flat) -> [Bs, n_vocab]``. Compiled with a dynamic ``Bs``, a step of any width is one call: the
+    per-layer path (packed products eagerly, a compiled mixer between them) paid dynamo's and Python's
+    cost for each of them."""
+
+    def token_step_many(
+        x: torch.Tensor, norm_f: torch.Tensor, lm_head: RowsOperand, eps: float, *flat: torch.Tensor
+    ) -> torch.Tensor:
+        for i in range(0, len(flat), n_fields):
+            x = layer_many(x, *flat[i : i + n_fields], *consts)
+        return matmul_rows(rms_norm(x, norm_f, eps), lm_head)
+
+    return token_step_many

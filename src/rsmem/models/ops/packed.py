@@ -75,6 +75,11 @@ class PackedMatrices:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
         self._by_id[id(weight_t)] = (weight_t, packed, plain)
 
+    def twin(self, weight_t: Matrix) -> torch.Tensor | None:
+        """The packed copy of ``weight_t`` (the very tensor given to :meth:`add`), or None."""
+        entry = self._by_id.get(id(weight_t))
+        return entry[1] if entry is not None and entry[0] is weight_t else None
+
     def linear(self, x: torch.Tensor, weight_t: Matrix) -> torch.Tensor:
         """``x @ weight_t`` as :func:`~rsmem.models.ops.common.linear` computes it, through the packed
         twin when there is one and ``x`` has more than one row, through the plain ``[out, in]`` matrix
