@@ -18,6 +18,7 @@ from rsmem import Batch, BatchAllocator
 from rsmem.errors import UnknownSequenceError
 from rsmem.memory.context import MemoryStatus
 from rsmem.memory.kv_cache import KVCache
+from rsmem.memory.kv_cells import KVCells
 
 N_SEQ = 3
 SIZE = 12
@@ -273,3 +274,21 @@ def test_masks_beyond_62_sequences() -> None:
         seen = sorted(cells.pos[j] for j in range(mask.shape[-1]) if mask[0, t, j] and seq in cells.seqs[j])
         assert int(mask[0, t].sum()) == len(seen) == p + 1
     cache.check_invariants()
+
+
+def test_used_max_p1_follows_occupy_and_removal() -> None:
+    """The scan starts at ``hi`` (an upper bound kept by occupy), and stays exact as cells empty."""
+    cells = KVCells(4096)
+    assert cells.used_max_p1() == 0
+    cells.occupy(5, 0, {0})
+    cells.occupy(2, 1, {0})
+    assert cells.used_max_p1() == 6 and cells.hi == 6
+    cells.rm(5)
+    assert cells.used_max_p1() == 3
+    cells.occupy(4000, 2, {1})
+    assert cells.used_max_p1() == 4001
+    copy = cells.copy()
+    cells.seq_rm(4000, 1)
+    cells.rm(2)
+    assert cells.used_max_p1() == 0 and copy.used_max_p1() == 4001
+    cells.check()

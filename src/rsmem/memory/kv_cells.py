@@ -45,6 +45,7 @@ class KVCells:
     bits: list[int] = field(default_factory=list)
     seq_pos: dict[int, list[int]] = field(default_factory=dict)
     n_used: int = 0
+    hi: int = field(default=0, compare=False)  # no used cell at or past it (used_max_p1 scans down from it)
 
     def __post_init__(self) -> None:
         if not self.pos:
@@ -57,6 +58,7 @@ class KVCells:
         self.bits = [0] * self.size
         self.seq_pos = {}
         self.n_used = 0
+        self.hi = 0
 
     def copy(self) -> KVCells:
         return KVCells(
@@ -67,6 +69,7 @@ class KVCells:
             bits=list(self.bits),
             seq_pos={s: list(p) for s, p in self.seq_pos.items()},
             n_used=self.n_used,
+            hi=self.hi,
         )
 
     # ------------------------------------------------------------- queries
@@ -75,10 +78,13 @@ class KVCells:
         return self.pos[i] < 0
 
     def used_max_p1(self) -> int:
-        """One past the last non-empty cell (0 when all are empty): the cells attention must read."""
-        for i in range(self.size - 1, -1, -1):
+        """One past the last non-empty cell (0 when all are empty): the cells attention must read. Scans
+        down from :attr:`hi` (kept by :meth:`occupy`), not from the end of a mostly empty stream."""
+        for i in range(self.hi - 1, -1, -1):
             if self.pos[i] >= 0:
-                return i + 1
+                self.hi = i + 1
+                return self.hi
+        self.hi = 0
         return 0
 
     def seq_pos_min(self, seq: int) -> int:
@@ -115,6 +121,7 @@ class KVCells:
         self.shift[i] = 0
         self.bits[i] = sum(1 << s for s in seqs)
         self.n_used += 1
+        self.hi = max(self.hi, i + 1)
         for s in seqs:
             self._index(s, pos)
 
@@ -222,6 +229,7 @@ class KVCells:
         assert expected == self.seq_pos, f"seq_pos {self.seq_pos} != cells {expected}"
         assert self.n_used == sum(p >= 0 for p in self.pos), "n_used is out of step"
         assert self.bits == [sum(1 << s for s in seqs) for seqs in self.seqs], "bits are out of step"
+        assert all(p < 0 for p in self.pos[self.hi :]), "a used cell lies past hi"
 
 
 def visible(cells: KVCells, n_kv: int, seqs: list[int], pos: list[int], device: torch.device) -> torch.Tensor:
