@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompileSetting, resolve_compile
 from rsmem.models.hybrid_decode import AttentionStep, Chains, Step
-from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, RopeTables, rope_neox
+from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, RopeTables, hold_all, rope_neox
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.hybrid_fused import Block, lfm2_attn_out_one, lfm2_conv_one_
@@ -118,35 +118,46 @@ class Lfm2Model:
         self.embedding = weights.embedding.to(f32).contiguous()
         self.norm_f = weights.norm_f.to(f32)
         tied = weights.lm_head is weights.embedding
-        self.lm_head = self.held.hold(self.embedding if tied else weights.lm_head)  # [in, out]
-        self.layers = [self._hold_layer(ly) for ly in weights.layers]
+        self.layers = weights.layers
+        per_layer = [self._layer_matrices(ly) for ly in self.layers]
+        head = self.embedding if tied else weights.lm_head
+        matrices = hold_all(self.held, [head, *(m for mats in per_layer for m in mats)])
+        held = iter(matrices)
+        self.lm_head = next(held)  # [in, out]
+        if tied and self.lm_head.t().is_contiguous() and self.lm_head.dtype == f32:
+            self.embedding = self.lm_head.t()  # the copy on huge pages, shared
+        for ly, mats in zip(self.layers, per_layer, strict=True):
+            self._set_layer(ly, [next(held) for _ in mats])
         self.kv_layers: Mapping[int, tuple[int, int]] = {
             il: (n * config.head_dim, n * config.head_dim) for il, n in enumerate(config.n_head_kv) if n
         }
-        matrices = [self.lm_head]
-        for ly in self.layers:
-            att = ly.attention
-            held = [ly.gate_up, ly.ffn_down] + ([att.wqkv_t, att.wo_t] if att else [ly.conv_in, ly.conv_out])
-            matrices += [m for m in held if m is not None]
         self._n_matrix_weights = sum(m.numel() for m in matrices)
         # the one-sequence compiled blocks stream [out, in] rows: float32 matrices held as views of them
         self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
         self.compile_decode = False
         self.set_compile(compile)
 
-    def _hold_layer(self, ly: Lfm2Layer) -> Lfm2Layer:
-        f32, d_ff = torch.float32, ly.ffn_gate.shape[0]
-        ly.gate_up = self.held.hold(torch.cat([ly.ffn_gate, ly.ffn_up]).to(f32))
-        ly.ffn_gate, ly.ffn_up = ly.gate_up[:, :d_ff], ly.gate_up[:, d_ff:]
-        ly.ffn_down = self.held.hold(ly.ffn_down.to(f32))
-        ly.attn_norm, ly.ffn_norm = ly.attn_norm.to(f32), ly.ffn_norm.to(f32)
+    @staticmethod
+    def _layer_matrices(ly: Lfm2Layer) -> list[torch.Tensor]:
+        """The layer's ``[out, in]`` matrices to hold: gate and up as one, down, then the operator's."""
+        gate_up, down = torch.cat([ly.ffn_gate, ly.ffn_up]).float(), ly.ffn_down.float()
         if ly.attention is not None:
-            ly.attention.hold(self.held)
+            return [gate_up, down, *ly.attention.matrices()]
+        assert ly.conv_in is not None and ly.conv_out is not None
+        return [gate_up, down, ly.conv_in.float(), ly.conv_out.float()]
+
+    def _set_layer(self, ly: Lfm2Layer, held: list[torch.Tensor]) -> None:
+        """Use the held (``[in, out]``) :meth:`_layer_matrices`; vectors float32."""
+        d_ff = ly.ffn_gate.shape[0]
+        ly.gate_up, ly.ffn_down = held[0], held[1]
+        ly.ffn_gate, ly.ffn_up = ly.gate_up[:, :d_ff], ly.gate_up[:, d_ff:]
+        ly.attn_norm, ly.ffn_norm = ly.attn_norm.float(), ly.ffn_norm.float()
+        if ly.attention is not None:
+            ly.attention.set_held(self.held, held[2], held[3])
         else:
-            assert ly.conv is not None and ly.conv_in is not None and ly.conv_out is not None
-            ly.conv = ly.conv.to(f32).contiguous()
-            ly.conv_in, ly.conv_out = self.held.hold(ly.conv_in.to(f32)), self.held.hold(ly.conv_out.to(f32))
-        return ly
+            assert ly.conv is not None
+            ly.conv = ly.conv.float().contiguous()
+            ly.conv_in, ly.conv_out = held[2], held[3]
 
     def is_recurrent_layer(self, il: int) -> bool:
         return self.config.n_head_kv[il] == 0

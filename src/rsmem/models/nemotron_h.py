@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.hybrid_decode import AttentionStep, Chains, Step
-from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates
+from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, hold_all
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.fused import mamba2_layer_one_, mamba2_mixer_step_
@@ -134,11 +134,17 @@ class NemotronHModel:
         self.embedding = weights.embedding.float().contiguous()
         self.norm_f = weights.norm_f.float()
         tied = weights.lm_head is weights.embedding
-        self.lm_head = self.held.hold(self.embedding if tied else weights.lm_head)  # [in, out]
         self.layers = weights.layers
-        matrices = [self.lm_head]
-        for ly in self.layers:
-            matrices += self._hold_layer(ly)
+        per_layer = [self._layer_matrices(ly) for ly in self.layers]
+        matrices = hold_all(
+            self.held, [self.embedding if tied else weights.lm_head, *(m for mats in per_layer for m in mats)]
+        )
+        held = iter(matrices)
+        self.lm_head = next(held)  # [in, out]
+        if tied and self.lm_head.t().is_contiguous() and self.lm_head.dtype == torch.float32:
+            self.embedding = self.lm_head.t()  # the copy on huge pages, shared
+        for ly, mats in zip(self.layers, per_layer, strict=True):
+            self._set_layer(ly, [next(held) for _ in mats])
         self.kv_layers: Mapping[int, tuple[int, int]] = {
             il: (n * cfg.head_dim, n * cfg.head_dim)
             for il, n in enumerate(cfg.n_head_kv)
@@ -150,21 +156,26 @@ class NemotronHModel:
         self.compile_decode = False
         self.set_compile(compile)
 
-    def _hold_layer(self, ly: NemotronHLayer) -> list[torch.Tensor]:
-        """Hold the layer's matrices (in place); returns them."""
+    @staticmethod
+    def _layer_matrices(ly: NemotronHLayer) -> list[torch.Tensor]:
+        """The layer's ``[out, in]`` matrices to hold."""
+        if ly.mixer is not None:
+            return [ly.mixer.in_proj.float(), ly.mixer.out_proj.float()]
+        if ly.attention is not None:
+            return ly.attention.matrices()
+        assert ly.ffn_up is not None and ly.ffn_down is not None
+        return [ly.ffn_up.float(), ly.ffn_down.float()]
+
+    def _set_layer(self, ly: NemotronHLayer, held: list[torch.Tensor]) -> None:
+        """Use the held (``[in, out]``) :meth:`_layer_matrices`; vectors float32."""
         ly.norm = ly.norm.float()
         if ly.mixer is not None:
-            mx = ly.mixer
-            mx.in_proj, mx.out_proj = self.held.hold(mx.in_proj.float()), self.held.hold(mx.out_proj.float())
-            mx.conv_weight = mx.conv_weight.float().contiguous()
-            return [mx.in_proj, mx.out_proj]
-        if ly.attention is not None:
-            ly.attention.hold(self.held)
-            assert ly.attention.wqkv_t is not None and ly.attention.wo_t is not None
-            return [ly.attention.wqkv_t, ly.attention.wo_t]
-        assert ly.ffn_up is not None and ly.ffn_down is not None
-        ly.ffn_up, ly.ffn_down = self.held.hold(ly.ffn_up.float()), self.held.hold(ly.ffn_down.float())
-        return [ly.ffn_up, ly.ffn_down]
+            ly.mixer.in_proj, ly.mixer.out_proj = held
+            ly.mixer.conv_weight = ly.mixer.conv_weight.float().contiguous()
+        elif ly.attention is not None:
+            ly.attention.set_held(self.held, *held)
+        else:
+            ly.ffn_up, ly.ffn_down = held
 
     def is_recurrent_layer(self, il: int) -> bool:
         return self.config.kinds[il] == MAMBA
