@@ -56,6 +56,7 @@ def test_compiled_decode_matches_eager(arch: str) -> None:
     assert got[-2].shape[0] == 0  # the step without an output row gives none
     for a, b in zip(got, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+    assert model.warm_up() > 0  # runs the compiled steps on a scratch memory
 
 
 def test_auto_policy_leaves_tiny_hybrids_eager() -> None:
