@@ -21,7 +21,8 @@ variable                  default  effect
 ========================= ======== ==================================================================
 
 Besides reading, :func:`prepare_openmp_environment` writes one variable: ``OMP_WAIT_POLICY``, which
-libgomp reads once, when torch is first imported.
+libgomp reads once, when torch is first imported; :func:`put_on_path` adds the interpreter's folder to
+``PATH`` when the C++ kernels are built and ``ninja`` is not found (``rsmem.kernels.build``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,16 @@ def kernels_setting() -> tuple[bool, Path]:
         return enabled, Path(folder)
     cache = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
     return enabled, Path(cache) / "rsmem" / "kernels"
+
+
+def put_on_path(folder: Path) -> bool:
+    """Put ``folder`` first on ``PATH`` unless it is there already (pip installs ninja next to the
+    interpreter, which is not on ``PATH`` when a venv is used without activating it); whether it was added."""
+    current = os.environ.get("PATH", "")
+    if str(folder) in current.split(os.pathsep):
+        return False
+    os.environ["PATH"] = f"{folder}{os.pathsep}{current}" if current else str(folder)
+    return True
 
 
 def cxx_candidates() -> list[str]:
