@@ -3,6 +3,8 @@ reference twin, the torch op under torch.compile, the fallback without kernels, 
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -275,3 +277,15 @@ def test_loaded_kernels_serve_the_op_directly(fresh_build: pytest.MonkeyPatch) -
     assert not has_cpu_kernel("rsmem::qmatmul", "CPU")
     qmatmul(torch.randn(1, 32), random_blocks(Q.Q8_0, 2, 32), Q.Q8_0, 32)  # first use loads them again
     assert has_cpu_kernel("rsmem::qmatmul", "CPU")
+
+
+def test_ninja_beside_the_interpreter_is_put_on_path(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A venv used without activating it: pip's ninja sits beside the interpreter, off PATH."""
+    (tmp_path / "ninja").write_text("")
+    monkeypatch.setattr(build.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", "/usr/bin")
+    build._find_ninja()
+    assert os.environ["PATH"] == f"{tmp_path}{os.pathsep}/usr/bin"
+    assert not settings.put_on_path(tmp_path)  # already there: PATH unchanged
+    assert os.environ["PATH"] == f"{tmp_path}{os.pathsep}/usr/bin"

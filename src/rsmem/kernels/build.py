@@ -12,6 +12,8 @@ use the torch reference twin instead (same results within the tolerances their t
 from __future__ import annotations
 
 import hashlib
+import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -40,12 +42,21 @@ def _build_name(flags: tuple[str, ...]) -> str:
     return f"rsmem_kernels_{h.hexdigest()[:12]}"
 
 
+def _find_ninja() -> None:
+    """torch runs ``ninja`` from PATH; pip installs it beside the interpreter, off PATH in a venv used
+    without activating it."""
+    beside = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (beside / "ninja").exists():
+        settings.put_on_path(beside)
+
+
 def build_variant(namespace: str, cflags: tuple[str, ...], folder: Path) -> Any:
     """Build (or load the cached build of) the kernels with ``cflags`` as the torch ops
     ``torch.ops.<namespace>``. :func:`native_ops` builds ``rsmem_native`` with :data:`CFLAGS`; the tests
     also build a portable variant (no AVX-512) to check the fallback code on this machine."""
     from torch.utils import cpp_extension
 
+    _find_ninja()
     flags = (*cflags, f"-DRSMEM_OPS_NS={namespace}")
     name = _build_name(flags)
     build_dir = folder / name

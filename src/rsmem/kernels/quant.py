@@ -4,8 +4,9 @@
 (:mod:`rsmem.kernels.formats`). :func:`qmatmul` is the torch op ``torch.ops.rsmem.qmatmul`` (registered
 when this module is imported, with a fake implementation, so a ``torch.compile(fullgraph=True)`` function
 may call it: the compiled graph calls the op as one opaque kernel). On CPU it runs the C++ kernels of
-``csrc/`` (:mod:`rsmem.kernels.build`: built at first use, cached), else, when kernels are disabled
-(``RSMEM_KERNELS=0``) or failed to build (warned once), :func:`qmatmul_ref`.
+``csrc/`` (:mod:`rsmem.kernels.build`: built at first use, cached; once loaded they are the op's CPU
+kernel, so a call no longer passes through Python), else, when kernels are disabled (``RSMEM_KERNELS=0``,
+read at first use) or failed to build (warned once), and on other devices, :func:`qmatmul_ref`.
 
 Routes by the number of activation rows ``M`` (the C++ side, ``csrc/qmatmul.cpp``):
 
