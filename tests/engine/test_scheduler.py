@@ -30,13 +30,33 @@ def test_a_lone_prompt_takes_the_whole_budget_whatever_the_cap():
 
 
 def test_the_oldest_prompt_always_progresses_and_short_ones_go_shortest_first():
-    running = [request("long", 4000), request("mid", 300), request("short", 3), request("tiny", 2)]
+    running = [request("long", 4000), request("mid", 300), request("short", 250), request("tiny", 200)]
     plan = plan_step(running, 512, prefill_cap=None)  # no cap: the budget is the only limit
     assert shares(plan) == {"long": 512}  # the oldest first: it is never starved
     plan = plan_step(running, 512, prefill_cap=128)
     # the oldest gets its capped chunk, then the shortest remaining first, each capped
-    assert shares(plan) == {"long": 128, "tiny": 2, "short": 3, "mid": 128}
+    assert shares(plan) == {"long": 128, "tiny": 128, "short": 128, "mid": 128}
     assert [p.req.request_id for p in plan] == ["long", "tiny", "short", "mid"]
+
+
+def test_prompts_a_step_finishes_run_without_the_others():
+    """A step that completes short prompts carries only them (and the decodes), shortest first: their
+    first tokens wait for a short step, not for the long prompts' chunks beside them."""
+    dec = request("dec", 5, done=5, phase=Phase.DECODE)
+    running = [dec, request("long", 4000), request("mid", 300), request("short", 3), request("tiny", 2)]
+    plan = plan_step(running, 512, prefill_cap=128)
+    assert shares(plan) == {"tiny": 2, "short": 3}
+    assert [p.req.request_id for p in plan] == ["dec", "tiny", "short"] and all(p.output for p in plan)
+    rest = [dec, request("long", 4000), request("mid", 300, done=200)]
+    assert shares(plan_step(rest, 512, prefill_cap=128)) == {"mid": 100}  # the rest of mid fits: alone
+    assert shares(plan_step(rest[:2], 512, prefill_cap=128)) == {"long": 128}  # nothing finishes
+    assert shares(plan_step(running, 512, prefill_cap=0)) == {"long": 511}  # no cap: first come first
+
+
+def test_a_lone_prompt_is_capped_by_alone_cap():
+    assert shares(plan_step([request("long", 4000)], 512, prefill_cap=32, alone_cap=128)) == {"long": 128}
+    assert shares(plan_step([request("long", 100)], 512, prefill_cap=32, alone_cap=128)) == {"long": 100}
+    assert shares(plan_step([request("long", 4000)], 512, prefill_cap=32, alone_cap=0)) == {"long": 512}
 
 
 def test_decodes_come_first_and_a_prompt_beside_them_is_capped():
@@ -65,6 +85,39 @@ def test_step_cost_learns_a_cap_that_matches_a_steps_fixed_cost():
         slow.observe(1, 0.001)
         slow.observe(64, 0.001 + 64 * 0.01)
     assert slow.prefill_cap() == 16  # never below the floor
+
+
+def test_step_cost_bounds_a_lone_prompts_steps_once_learnt():
+    cost = StepCost(floor=16, ceiling=512)
+    assert cost.alone_cap() is None  # nothing learnt: the budget
+    for _ in range(20):
+        cost.observe(4, 0.004)
+        cost.observe(128, 0.004 + 128 * 0.0002)  # cap: 20 tokens
+    assert cost.alone_cap() == StepCost.ALONE * cost.prefill_cap() == StepCost.ALONE * 20
+    cheap = StepCost(floor=16, ceiling=512)
+    for _ in range(20):
+        cheap.observe(4, 0.004)
+        cheap.observe(512, 0.004 + 512 * 0.000001)
+    assert cheap.alone_cap() == 512  # never above the ceiling
+
+
+def test_the_engine_caps_a_lone_prompt_only_when_the_cap_is_learnt():
+    cfg = Mamba2Config(d_model=32, n_layer=2, n_vocab=64, d_state=8, n_head=4, n_group=2, chunk_size=4)
+    model = random_mamba2(cfg, seed=3)
+    sizes: dict[str, list[int]] = {}
+    for name, cap in (("auto", None), ("fixed", 8)):
+        engine = Engine(Context(model, n_seq_max=2, n_batch=256, n_ubatch=256), prefill_cap=cap)
+        for _ in range(20):  # what the costs would teach: a fixed cost worth 10 tokens
+            engine.step_cost.observe(2, 0.010)
+            engine.step_cost.observe(200, 0.010 + 200 * 0.001)
+        engine.add_request([(5 * k) % 64 for k in range(600)], SamplingParams.greedy(max_tokens=1))
+        seen = sizes.setdefault(name, [])
+        while engine.has_unfinished:
+            before = engine.stats.prompt_tokens
+            engine.step()
+            seen.append(engine.stats.prompt_tokens - before)
+    assert sizes["auto"][0] == StepCost.ALONE * engine.step_cost.prefill_cap() < 256
+    assert sizes["fixed"][:2] == [256, 256]  # a cap set by hand: alone the budget, as before
 
 
 def test_a_short_prompt_behind_a_long_one_prefills_first_and_generates_as_alone():

@@ -43,7 +43,7 @@ from rsmem.engine.request import (
 )
 from rsmem.engine.reuse import PromptReuse
 from rsmem.engine.sampling import Sampler, SamplingParams
-from rsmem.engine.scheduler import Planned, StepCost, build_batch, plan_replay, plan_step
+from rsmem.engine.scheduler import Planned, StepCost, build_batch, plan_replay, plan_step, step_caps
 from rsmem.engine.snapshot import active_cells, take_snapshot
 from rsmem.engine.status import EngineSnapshot, EngineStats, Health
 from rsmem.engine.tokenizer import TextTokenizer
@@ -250,8 +250,11 @@ class Engine:
         for ``KeyboardInterrupt`` and the like, after failing the interrupted batch's requests.
         """
         self._admit()
-        cap = self.step_cost.prefill_cap() if self.prefill_cap is None else self.prefill_cap
-        plan = plan_step(self.running, self.max_batch_tokens, cap, cut_at_checkpoints=not self.reuse.captures)
+        cap, alone = step_caps(self.prefill_cap, self.step_cost)
+        captures = self.reuse.captures
+        plan = plan_step(
+            self.running, self.max_batch_tokens, cap, alone_cap=alone, cut_at_checkpoints=not captures
+        )
         touched: dict[str, Request] = {}
         if plan:
             batch = build_batch(plan)

@@ -24,7 +24,12 @@ class Planned:
 
 
 def plan_step(
-    running: list[Request], budget: int, prefill_cap: int | None = None, *, cut_at_checkpoints: bool = True
+    running: list[Request],
+    budget: int,
+    prefill_cap: int | None = None,
+    *,
+    alone_cap: int | None = None,
+    cut_at_checkpoints: bool = True,
 ) -> list[Planned]:
     """What the next batch holds, in batch order: decode tokens first, then replays and prompt chunks
     from what is left of the budget. A suspect request (see ``_fail_batch``) runs alone. Changes
@@ -33,7 +38,8 @@ def plan_step(
     Prompts share the budget fairly: the oldest prompt being prefilled is served first (it always makes
     progress), then the others shortest-remaining first, so a short prompt arriving behind a long one
     is in the next step. While anything else runs (decodes, other prompts) a prompt gets at most
-    ``prefill_cap`` tokens a step, which keeps steps short for the others; alone it gets the budget.
+    ``prefill_cap`` tokens a step, which keeps steps short for the others; alone it gets ``alone_cap``
+    (None or 0: the budget), which bounds how long a request arriving during its step waits.
     With ``cut_at_checkpoints`` a chunk ends where a checkpoint is due (for a context that cannot
     capture states inside a micro-batch).
     """
@@ -62,15 +68,29 @@ def plan_step(
             prompts.append(req)
     if prompts and budget > 0:
         contended = len(plan) > 0 or len(prompts) > 1
-        cap = prefill_cap if contended and prefill_cap else budget
-        oldest, rest = prompts[0], sorted(prompts[1:], key=lambda r: len(r.prompt_tokens) - r.n_prefilled)
-        for req in [oldest, *rest]:
+        cap = (prefill_cap if contended else alone_cap) or budget
+        oldest, rest = prompts[0], sorted(prompts[1:], key=_remaining)
+        order = [oldest, *rest]
+        if contended and prefill_cap:
+            # prompts this step finishes run alone (with the decodes): their first tokens come a short
+            # step later; the others wait one step for each such prompt, and go on with the next
+            finishing = [r for r in sorted(prompts, key=_remaining) if _finishes(r, cap, cut_at_checkpoints)]
+            order = finishing or order
+        for req in order:
             if budget <= 0:
                 break
             n = _chunk(req, min(budget, cap), cut_at_checkpoints)
             budget -= n
             plan.append(Planned(req, None, n, req.n_prefilled + n == len(req.prompt_tokens)))
     return plan
+
+
+def _remaining(req: Request) -> int:
+    return len(req.prompt_tokens) - req.n_prefilled
+
+
+def _finishes(req: Request, most: int, cut: bool) -> bool:
+    return _chunk(req, most, cut) == _remaining(req)
 
 
 def _chunk(req: Request, most: int, cut: bool) -> int:
@@ -88,8 +108,13 @@ class StepCost:
 
     ``prefill_cap()`` is the chunk a prompt gets while others run: the tokens whose cost matches a
     step's fixed cost, so a step carrying it costs at most about twice a step without it (a short
-    request's first token waits at most that), within ``[floor, ceiling]``.
+    request's first token waits at most that), within ``[floor, ceiling]``. ``alone_cap()`` is the chunk
+    of a prompt running alone: ``ALONE`` times that, so a request arriving during its step waits at most
+    about ``ALONE + 1`` fixed costs for it, while the lone prompt loses at most ~1/``ALONE`` of its speed
+    to the steps' fixed costs.
     """
+
+    ALONE = 4
 
     def __init__(self, *, floor: int = 32, ceiling: int = 512, alpha: float = 0.2) -> None:
         self.floor, self.ceiling, self.alpha = floor, ceiling, alpha
@@ -107,6 +132,20 @@ class StepCost:
         if self.fixed is None or not self.per_token:
             return self.ceiling  # nothing learnt yet: no cap beyond the budget's
         return max(self.floor, min(self.ceiling, round(self.fixed / self.per_token)))
+
+    def alone_cap(self) -> int | None:
+        """None (the budget) until the costs are learnt."""
+        if self.fixed is None or not self.per_token:
+            return None
+        return min(self.ceiling, self.ALONE * self.prefill_cap())
+
+
+def step_caps(setting: int | None, cost: StepCost) -> tuple[int | None, int | None]:
+    """The ``prefill_cap`` and ``alone_cap`` of :func:`plan_step` for an engine's setting: learnt ones
+    (None) bound both; a cap set by hand (0: none) leaves a lone prompt the budget."""
+    if setting is not None:
+        return setting, None
+    return cost.prefill_cap(), cost.alone_cap()
 
 
 def _ewma(old: float | None, new: float, alpha: float) -> float:
