@@ -3,15 +3,18 @@
 :func:`native_ops` builds ``csrc/qmatmul.cpp`` with ``torch.utils.cpp_extension.load`` (ninja, ``-O3
 -march=native``: AVX-512 code where the CPU has it, else a portable path) into the folder that
 :func:`rsmem.settings.kernels_setting` names, and loads it as torch ops (``torch.ops.rsmem_native``: no
-Python module, so no pybind). The build is cached there, keyed by the sources, flags and torch version;
-a later process only loads it. When kernels are disabled (``RSMEM_KERNELS=0``) or building or loading
-fails (no compiler, ninja missing, a compile error), it returns None once with a warning, and the callers
-use the torch reference twin instead (same results within the tolerances their tests state).
+Python module, so no pybind; with ATen's and torch/library.h's headers instead of torch/extension.h the
+headers compile in ~20 s instead of ~70 s here). The build is cached there, keyed by the sources, flags,
+torch version and the CPU's flags; a later process only loads it. When kernels are disabled
+(``RSMEM_KERNELS=0``) or building or loading fails (no compiler, ninja missing, a compile error), it
+returns None once with a warning, and the callers use the torch reference twin instead (same results
+within the tolerances their tests state).
 """
 
 from __future__ import annotations
 
 import hashlib
+import platform
 import shutil
 import sys
 import threading
@@ -32,10 +35,25 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's flags (Linux), else the machine and torch's capability.
+    A cache folder shared by machines with different CPUs then keeps one build per CPU kind instead of
+    loading code with instructions this CPU lacks."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+
+
 def _build_name(flags: tuple[str, ...]) -> str:
-    """The extension's name: a hash of the sources, flags and torch version, so that a changed kernel or
-    torch rebuilds instead of loading a stale library."""
+    """The extension's name: a hash of the sources, flags, torch version and CPU, so that a changed kernel,
+    torch or CPU rebuilds instead of loading a stale or unsuitable library."""
     h = hashlib.sha256(torch.__version__.encode())
+    h.update(_cpu_identity().encode())
     for name in (*SOURCES, *HEADERS):
         h.update((CSRC / name).read_bytes())
     h.update(" ".join(flags).encode())
