@@ -234,10 +234,10 @@ struct Step<Q6_K> {
     const __m256i nib = (t & 2) ? _mm256_and_si256(_mm256_srli_epi16(b, 4), m4) : _mm256_and_si256(b, m4);
     const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * n));
     const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
-    const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(hi, 4));
-    const __m512i k32 = _mm512_set1_epi32(32);
-    const __m512i q0 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)), k32);
-    const __m512i q1 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)), k32);
+    // q - 32 in -32..31 as int8 (one byte-wide subtraction), then sign-extended
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    const __m512i q0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q));
+    const __m512i q1 = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1));
     w0 = _mm512_mul_ps(_mm512_set1_ps(s.a[2 * j]), _mm512_cvtepi32_ps(q0));
     w1 = _mm512_mul_ps(_mm512_set1_ps(s.a[2 * j + 1]), _mm512_cvtepi32_ps(q1));
   }
