@@ -12,17 +12,13 @@ eagerly (no compiled step).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompileSetting
-from rsmem.models.ops.common import output_rows
-from rsmem.models.ops.norm import rms_norm
-from rsmem.models.protocol import StateAccess
-from rsmem.models.rwkv7 import Rwkv7Config, Rwkv7Model, token_shift
-from rsmem.models.rwkv_base import RmsBodyWeights
+from rsmem.models.rwkv7 import Rwkv7Config, Rwkv7Model
+from rsmem.models.rwkv_base import RmsBodyMixin, RmsBodyWeights
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +63,7 @@ class Arwkv7Layer:
 Arwkv7Weights = RmsBodyWeights  # embedding, layers (Arwkv7Layer), output norm, head
 
 
-class Arwkv7Model(Rwkv7Model):
+class Arwkv7Model(RmsBodyMixin, Rwkv7Model):
     """An ARWKV-7 language model implementing :class:`~rsmem.models.protocol.RecurrentModel` (float32)."""
 
     arch = "arwkv7"
@@ -86,29 +82,7 @@ class Arwkv7Model(Rwkv7Model):
         super().__init__(config, weights, dtype=dtype, compile=compile)
         self.n_embd_r = config.d_model  # one token-shift row a layer
 
-    def set_compile(self, setting: CompileSetting) -> bool:
-        """ARWKV-7 decodes eagerly: no compiled step (returns False)."""
-        self.compile_decode = False
-        return False
-
-    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
-        """Logits of the micro-batch's output tokens; reads and writes each layer's states."""
-        cfg = self.config
-        tokens = ubatch.token_tensor()  # [Bs, L]
-        n_seqs = tokens.shape[0]
-        x = self.embedding[tokens]
-        v_first: torch.Tensor | None = None
-        linear = self.held.linear
-        for il, ly in enumerate(self.layers):
-            r_rows, s_rows = states.read_states(il)
-            shift = r_rows.view(n_seqs, cfg.d_model).float()
-            wkv = s_rows.view(n_seqs, cfg.n_head, cfg.head_size, cfg.head_size)
-            wkv = wkv if wkv.dtype == torch.float32 else wkv.float()
-            h = rms_norm(x, ly.attn_norm, cfg.eps)
-            out, v_first = self.time_mix(ly, h, token_shift(h, shift), wkv, v_first)
-            x = x + out
-            f = rms_norm(x, ly.ffn_norm, cfg.eps)
-            x = x + linear(F.silu(linear(f, ly.ffn_gate)) * linear(f, ly.ffn_up), ly.ffn_down)
-            states.write_states(il, h[:, -1], wkv)
-        x = output_rows(x, ubatch.output_rows())
-        return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head)
+    def body_mix(
+        self, ly: Arwkv7Layer, h: torch.Tensor, prev: torch.Tensor, wkv: torch.Tensor, carry: Any
+    ) -> tuple[torch.Tensor, Any]:
+        return self.time_mix(ly, h, prev, wkv, carry)  # carry: the first layer's values

@@ -19,14 +19,10 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompileSetting
-from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.gla import gla_chunked_, gla_step_
-from rsmem.models.ops.norm import rms_norm
-from rsmem.models.protocol import StateAccess
 from rsmem.models.rwkv6 import Rwkv6Config
-from rsmem.models.rwkv_base import RmsBodyWeights, RwkvModelBase, token_shift
+from rsmem.models.rwkv_base import RmsBodyMixin, RmsBodyWeights, RwkvModelBase
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +64,7 @@ class Rwkv6Qwen2Layer:
     value_b: torch.Tensor | None = None
 
 
-class Rwkv6Qwen2Model(RwkvModelBase):
+class Rwkv6Qwen2Model(RmsBodyMixin, RwkvModelBase):
     """A QRWKV-6 language model implementing :class:`~rsmem.models.protocol.RecurrentModel` (float32)."""
 
     arch = "rwkv6qwen2"
@@ -91,30 +87,10 @@ class Rwkv6Qwen2Model(RwkvModelBase):
         super().__init__(config, weights, dtype=dtype, compile=compile)
         self.n_embd_r = config.d_model  # one token-shift row a layer
 
-    def set_compile(self, setting: CompileSetting) -> bool:
-        """QRWKV-6 decodes eagerly: no compiled step (returns False)."""
-        self.compile_decode = False
-        return False
-
-    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
-        """Logits of the micro-batch's output tokens; reads and writes each layer's states."""
-        cfg = self.config
-        tokens = ubatch.token_tensor()  # [Bs, L]
-        n_seqs = tokens.shape[0]
-        x = self.embedding[tokens]
-        linear = self.held.linear
-        for il, ly in enumerate(self.layers):
-            r_rows, s_rows = states.read_states(il)
-            shift = r_rows.view(n_seqs, cfg.d_model).float()
-            wkv = s_rows.view(n_seqs, cfg.n_head, cfg.head_size, cfg.head_size)
-            wkv = wkv if wkv.dtype == torch.float32 else wkv.float()
-            h = rms_norm(x, ly.attn_norm, cfg.eps)
-            x = x + self.time_mix(ly, h, token_shift(h, shift), wkv)
-            f = rms_norm(x, ly.ffn_norm, cfg.eps)
-            x = x + linear(F.silu(linear(f, ly.ffn_gate)) * linear(f, ly.ffn_up), ly.ffn_down)
-            states.write_states(il, h[:, -1], wkv)
-        x = output_rows(x, ubatch.output_rows())
-        return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head)
+    def body_mix(
+        self, ly: Rwkv6Qwen2Layer, h: torch.Tensor, prev: torch.Tensor, wkv: torch.Tensor, carry: Any
+    ) -> tuple[torch.Tensor, Any]:
+        return self.time_mix(ly, h, prev, wkv), None
 
     def time_mix(
         self, ly: Rwkv6Qwen2Layer, x: torch.Tensor, prev: torch.Tensor, wkv: torch.Tensor

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
+from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.protocol import StateAccess
 
@@ -233,3 +234,51 @@ class RwkvModelBase:
         x = output_rows(x, ubatch.output_rows())
         x = F.layer_norm(x, (cfg.d_model,), self.norm_f, self.norm_f_b, cfg.eps)
         return self.held.linear(x, self.lm_head)
+
+
+class RmsBodyMixin:
+    """The body of ARWKV-7 and QRWKV-6 (mixed into their model classes, before the RWKV class): per layer
+    ``x += time_mix(rms_norm(x))`` with one token-shift row, then ``x += down(silu(gate f) * up f)`` with
+    ``f = rms_norm(x)``; the RMS output norm and head. Eager decode (no compiled step). The model supplies
+    :meth:`body_mix`: ``(layer, h, prev, wkv, carry) -> (out, carry)`` (``carry``: RWKV-7's first-layer
+    values, None before the first layer)."""
+
+    config: Any
+    layers: list[Any]
+    held: HeldMatrices
+    embedding: torch.Tensor
+    norm_f: torch.Tensor
+    lm_head: torch.Tensor
+    compile_decode: bool
+
+    def set_compile(self, setting: CompileSetting) -> bool:
+        """No compiled step: decode runs eagerly (returns False)."""
+        self.compile_decode = False
+        return False
+
+    def body_mix(
+        self, ly: Any, h: torch.Tensor, prev: torch.Tensor, wkv: torch.Tensor, carry: Any
+    ) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
+        """Logits of the micro-batch's output tokens; reads and writes each layer's states."""
+        cfg = self.config
+        tokens = ubatch.token_tensor()  # [Bs, L]
+        n_seqs = tokens.shape[0]
+        x = self.embedding[tokens]
+        linear = self.held.linear
+        carry: Any = None
+        for il, ly in enumerate(self.layers):
+            r_rows, s_rows = states.read_states(il)
+            shift = r_rows.view(n_seqs, cfg.d_model).float()
+            wkv = s_rows.view(n_seqs, cfg.n_head, cfg.head_size, cfg.head_size)
+            wkv = wkv if wkv.dtype == torch.float32 else wkv.float()
+            h = rms_norm(x, ly.attn_norm, cfg.eps)
+            out, carry = self.body_mix(ly, h, token_shift(h, shift), wkv, carry)
+            x = x + out
+            f = rms_norm(x, ly.ffn_norm, cfg.eps)
+            x = x + linear(F.silu(linear(f, ly.ffn_gate)) * linear(f, ly.ffn_up), ly.ffn_down)
+            states.write_states(il, h[:, -1], wkv)
+        x = output_rows(x, ubatch.output_rows())
+        return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head)
