@@ -19,7 +19,14 @@ from rsmem.errors import ModelFormatError
 from rsmem.loaders.arwkv7 import arwkv7_config, build_arwkv7
 from rsmem.loaders.checkpoint import metadata_int as _int
 from rsmem.loaders.checkpoint import tensor_name as name
-from rsmem.loaders.rwkv6 import build_rwkv6, outer_tensors, rwkv6_config
+from rsmem.loaders.rwkv6 import (
+    BLINK_NORMS,
+    blink_outer,
+    blink_reader,
+    build_rwkv6,
+    outer_tensors,
+    rwkv6_config,
+)
 from rsmem.loaders.rwkv6qwen2 import build_rwkv6qwen2, rwkv6qwen2_config
 from rsmem.models.arwkv7 import Arwkv7Model
 from rsmem.models.compiled import CompileSetting
@@ -148,25 +155,11 @@ def rwkv7_from_blink(sd: Mapping[str, torch.Tensor]) -> tuple[Rwkv7Config, dict[
     ``blocks.N.att.*``, ...), transformed as llama.cpp's converter does: lerps stacked ``[6, 1, 1, C]``,
     low-rank matrices as ``[out, in]``, ``r_k`` flattened, dummy ``v0/v1/v2`` in layer 0."""
 
-    def t(key: str) -> torch.Tensor:
-        if key not in sd:
-            raise ModelFormatError(f"missing tensor {key!r} in the RWKV-7 checkpoint")
-        return sd[key].to(torch.float32)
-
-    n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+    t = blink_reader(sd, "RWKV-7")
+    n_layer, out = blink_outer(sd, t)
     n_vocab, d = t("emb.weight").shape
     n_head, head_size = t("blocks.0.att.r_k").shape
-    out: dict[str, torch.Tensor] = {
-        name(T.TOKEN_EMBD): t("emb.weight"),
-        name(T.TOKEN_EMBD_NORM): t("blocks.0.ln0.weight"),
-        name(T.TOKEN_EMBD_NORM, None, ".bias"): t("blocks.0.ln0.bias"),
-        name(T.OUTPUT_NORM): t("ln_out.weight"),
-        name(T.OUTPUT_NORM, None, ".bias"): t("ln_out.bias"),
-        name(T.OUTPUT): t("head.weight"),
-    }
-    plain = {
-        "ln1.weight": (T.ATTN_NORM, ".weight"), "ln1.bias": (T.ATTN_NORM, ".bias"),
-        "ln2.weight": (T.ATTN_NORM_2, ".weight"), "ln2.bias": (T.ATTN_NORM_2, ".bias"),
+    plain = BLINK_NORMS | {
         "att.w0": (T.TIME_MIX_W0, ".weight"), "att.a0": (T.TIME_MIX_A0, ".weight"),
         "att.v0": (T.TIME_MIX_V0, ".weight"), "att.k_k": (T.TIME_MIX_K_K, ".weight"),
         "att.k_a": (T.TIME_MIX_K_A, ".weight"), "att.r_k": (T.TIME_MIX_R_K, ".weight"),

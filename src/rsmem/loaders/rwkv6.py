@@ -112,18 +112,29 @@ def build_rwkv6(
     return Rwkv6Model(cfg, weights, dtype=dtype, compile=compile)
 
 
-def rwkv6_from_blink(sd: Mapping[str, torch.Tensor]) -> tuple[Rwkv6Config, dict[str, torch.Tensor]]:
-    """The config and llama.cpp-named float32 tensors of a BlinkDL RWKV-6 state dict (no rescaling)."""
+BLINK_NORMS = {
+    "ln1.weight": (T.ATTN_NORM, ".weight"), "ln1.bias": (T.ATTN_NORM, ".bias"),
+    "ln2.weight": (T.ATTN_NORM_2, ".weight"), "ln2.bias": (T.ATTN_NORM_2, ".bias"),
+}  # fmt: skip
+
+
+def blink_reader(sd: Mapping[str, torch.Tensor], what: str) -> Callable[[str], torch.Tensor]:
+    """``t(key)``: the state dict's tensor as float32; ModelFormatError naming it when missing."""
 
     def t(key: str) -> torch.Tensor:
         if key not in sd:
-            raise ModelFormatError(f"missing tensor {key!r} in the RWKV-6 checkpoint")
+            raise ModelFormatError(f"missing tensor {key!r} in the {what} checkpoint")
         return sd[key].to(torch.float32)
 
+    return t
+
+
+def blink_outer(
+    sd: Mapping[str, torch.Tensor], t: Callable[[str], torch.Tensor]
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """A BlinkDL state dict's layer count and its tensors around the blocks under llama.cpp's names."""
     n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
-    n_vocab, d = t("emb.weight").shape
-    n_head, head_size = t("blocks.0.att.time_faaaa").shape[:2]
-    out: dict[str, torch.Tensor] = {
+    return n_layer, {
         name(T.TOKEN_EMBD): t("emb.weight"),
         name(T.TOKEN_EMBD_NORM): t("blocks.0.ln0.weight"),
         name(T.TOKEN_EMBD_NORM, None, ".bias"): t("blocks.0.ln0.bias"),
@@ -131,9 +142,16 @@ def rwkv6_from_blink(sd: Mapping[str, torch.Tensor]) -> tuple[Rwkv6Config, dict[
         name(T.OUTPUT_NORM, None, ".bias"): t("ln_out.bias"),
         name(T.OUTPUT): t("head.weight"),
     }
-    plain = {
-        "ln1.weight": (T.ATTN_NORM, ".weight"), "ln1.bias": (T.ATTN_NORM, ".bias"),
-        "ln2.weight": (T.ATTN_NORM_2, ".weight"), "ln2.bias": (T.ATTN_NORM_2, ".bias"),
+
+
+def rwkv6_from_blink(sd: Mapping[str, torch.Tensor]) -> tuple[Rwkv6Config, dict[str, torch.Tensor]]:
+    """The config and llama.cpp-named float32 tensors of a BlinkDL RWKV-6 state dict (no rescaling)."""
+
+    t = blink_reader(sd, "RWKV-6")
+    n_layer, out = blink_outer(sd, t)
+    n_vocab, d = t("emb.weight").shape
+    n_head, head_size = t("blocks.0.att.time_faaaa").shape[:2]
+    plain = BLINK_NORMS | {
         "att.time_maa_x": (T.TIME_MIX_LERP_X, ".weight"), "att.time_decay": (T.TIME_MIX_DECAY, ".weight"),
         "att.receptance.weight": (T.TIME_MIX_RECEPTANCE, ".weight"),
         "att.key.weight": (T.TIME_MIX_KEY, ".weight"), "att.value.weight": (T.TIME_MIX_VALUE, ".weight"),
