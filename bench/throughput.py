@@ -129,7 +129,8 @@ def streamed_bytes(model) -> int:
 
     total = matrix_bytes(model.lm_head)
     for layer in model.layers:
-        total += sum(matrix_bytes(getattr(layer, name)) for name in layer.__slots__)
+        fields = (getattr(layer, name) for name in layer.__slots__)  # RWKV-7's first layer has None
+        total += sum(matrix_bytes(t) for t in fields if t is not None)
     return total
 
 
@@ -364,7 +365,8 @@ def print_arch(
     compiled = "rsmem decode compiled" if res.compiled else "rsmem decode eager"
     title = arch if arch.endswith(".gguf") else f"{arch} 130M, {weights}"
     print(f"\n{title}, {args.threads} threads, {compiled}, median of {args.rounds} rounds: tokens/s")
-    names = [n for n in ("rsmem", "transformers", "llama.cpp") if n in res.cols]
+    known = ("rsmem", "transformers", "llama.cpp")
+    names = [n for n in known if n in res.cols] + [n for n in res.cols if n not in known]  # + an arch's own
     header = "".join(f"{c:>14}" for c in names)
     print(f"{'':12}{header}{'rsmem/llama':>13}{'(range)':>12}{'of ceiling':>12}")
     for row in res.rows:
