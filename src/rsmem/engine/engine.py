@@ -78,8 +78,8 @@ class Engine:
         ``checkpoint_codec``; with ``cache_dir`` the checkpoints are kept there too (up to
         ``cache_disk_bytes``), and found again by an engine started later (``engine/cache_dir.py``).
         ``prefill_cap``: the most prompt tokens one prompt gets in a step while other requests run (see
-        ``scheduler.plan_step``): None learns it from the steps' costs, 0 lets a prompt take the whole
-        budget."""
+        ``scheduler.plan_step``): None learns it from the steps' costs (and then also bounds a lone
+        prompt's steps, ``StepCost.alone_cap``), 0 lets a prompt take the whole budget."""
         self.ctx = context
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens or context.n_batch
