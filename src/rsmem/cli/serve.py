@@ -66,7 +66,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         metavar="N|auto",
         help="most prompt tokens one prompt gets in a step while other requests run, so a long prompt "
-        "does not hold up short ones and decodes (default auto: learnt from step costs; 0: no cap)",
+        "does not hold up short ones and decodes (default auto: learnt from step costs, and a lone "
+        "prompt's steps at most 4x that; 0: no cap)",
     )
     serve.add_argument(
         "--rollback-depth",
