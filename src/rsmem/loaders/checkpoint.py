@@ -92,7 +92,7 @@ def build_model(
     from rsmem.loaders.hybrid import HYBRID_ARCHS, build_hybrid  # it imports this module's Checkpoint
 
     if ckpt.arch in HYBRID_ARCHS:
-        return build_hybrid(ckpt)
+        return build_hybrid(ckpt, dtype, compile)
     from rsmem.loaders.rwkv import RWKV_ARCHS, build_rwkv  # it imports this module's Checkpoint
 
     if ckpt.arch in RWKV_ARCHS:
