@@ -63,3 +63,15 @@ def test_auto_policy_leaves_tiny_hybrids_eager() -> None:
     model = rsmem.load_model(FIXTURES / "lfm2" / "model-f32.gguf", compile="auto")
     assert not model.compile_decode
     assert model.warm_up() == 0.0
+
+
+def test_load_model_passes_compile_and_dtype_to_hybrids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_model(compile=, dtype=) reach a hybrid model (they were dropped: RSMEM_COMPILE decided)."""
+    monkeypatch.setenv("RSMEM_COMPILE", "1")
+    model = rsmem.load_model(FIXTURES / "nemotron_h" / "model-f32.gguf", compile=False)
+    assert not model.compile_decode
+    bf16 = rsmem.load_model(FIXTURES / "lfm2" / "model-f32.gguf", dtype=torch.bfloat16, compile=False)
+    assert bf16.lm_head.dtype == torch.bfloat16
+    ctx = rsmem.Context(bf16, n_ctx=256)
+    ctx.decode(rsmem.Batch([1, 2, 3]))
+    assert torch.isfinite(ctx.logits).all()
