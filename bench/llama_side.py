@@ -24,6 +24,7 @@ model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params
 cp = L.llama_context_default_params()
 cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 8192, max(n_prompt, 64), max(n_prompt, 64), 64
 cp.kv_unified = True  # attention layers: one KV stream of 8192 cells, so one sequence can hold 4096+
+cp.type_k = cp.type_v = 0  # GGML_TYPE_F32: attention layers' K/V in f32, as rsmem's default
 cp.n_threads = cp.n_threads_batch = threads
 ctx = L.llama_init_from_model(model, cp)
 mem = L.llama_get_memory(ctx)

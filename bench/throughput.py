@@ -124,14 +124,25 @@ def read_bandwidth(threads: int) -> float:
 
 def streamed_bytes(model) -> int:
     """Bytes a one-sequence decode step reads from memory: every matrix once (the head included; the
-    embedding only one row), as held (float32, or a quantized matrix's blocks), plus the small tensors."""
-    from rsmem.models.ops.quantized import matrix_bytes
+    embedding only one row), as held (float32, or a quantized matrix's blocks), plus the small tensors:
+    the tensors and QuantMatrix objects reachable from the head and the layers (hybrid layers nest their
+    attention and mixer records), each counted once."""
+    from rsmem.models.ops.quantized import QuantMatrix, matrix_bytes
 
-    total = matrix_bytes(model.lm_head)
-    for layer in model.layers:
-        fields = (getattr(layer, name) for name in layer.__slots__)  # RWKV-7's first layer has None
-        total += sum(matrix_bytes(t) for t in fields if t is not None)
-    return total
+    seen: set[int] = set()
+
+    def walk(obj: object, depth: int = 0) -> int:
+        if obj is None or id(obj) in seen or depth > 3:
+            return 0
+        seen.add(id(obj))
+        if isinstance(obj, (torch.Tensor, QuantMatrix)):
+            return matrix_bytes(obj)
+        if isinstance(obj, (list, tuple)):
+            return sum(walk(o, depth + 1) for o in obj)
+        names = getattr(obj, "__slots__", None) or list(getattr(obj, "__dict__", {}))
+        return sum(walk(getattr(obj, n, None), depth + 1) for n in names)
+
+    return walk(model.lm_head) + sum(walk(layer) for layer in model.layers)
 
 
 def matmul_flops_per_token(model) -> int:
