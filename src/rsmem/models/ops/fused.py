@@ -24,6 +24,7 @@ Shapes: ``x`` is the residual stream ``[Bs, d_model]``; matrices are ``[out, in]
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,7 @@ class Packed:
 
 
 RowsOperand = Matrix | Packed
+Product = Callable[[torch.Tensor, Any], torch.Tensor]  # gemv (a Matrix) or matmul_rows (a RowsOperand)
 
 
 def matmul_rows(x: torch.Tensor, weight: RowsOperand) -> torch.Tensor:
@@ -122,34 +124,8 @@ def mamba_ssm_step_(
     return y * F.silu(z)
 
 
-def mamba_layer_one_(
-    x: torch.Tensor,
-    norm: torch.Tensor,
-    in_proj: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor,
-    x_proj: torch.Tensor,
-    dt_proj: torch.Tensor,
-    dt_bias: torch.Tensor,
-    A: torch.Tensor,
-    D: torch.Tensor,
-    out_proj: torch.Tensor,
-    window: torch.Tensor,
-    h: torch.Tensor,
-    eps: float,
-    dt_rank: int,
-    d_state: int,
-) -> torch.Tensor:
-    """A whole Mamba block for one sequence's token (every product a :func:`gemv`); returns the new ``x``."""
-    d_inner = conv_weight.shape[0]
-    xz = gemv(rms_norm(x, norm, eps), in_proj)
-    xc = conv_step_(xz[:, :d_inner], window, conv_weight, conv_bias)
-    dbc = gemv(xc, x_proj)
-    y = mamba_ssm_step_(dbc, xc, xz[:, d_inner:], dt_proj, dt_bias, A, D, h, dt_rank, d_state)
-    return x + gemv(y, out_proj)
-
-
-def mamba_layer_many_(
+def mamba_layer_(
+    product: Product,
     x: torch.Tensor,
     norm: torch.Tensor,
     in_proj: RowsOperand,
@@ -167,13 +143,24 @@ def mamba_layer_many_(
     dt_rank: int,
     d_state: int,
 ) -> torch.Tensor:
-    """:func:`mamba_layer_one_` for one token of each of several sequences (products :func:`matmul_rows`)."""
+    """A whole Mamba block for one token of each sequence, its three products through ``product``
+    (:func:`gemv` or :func:`matmul_rows`); returns the new ``x``."""
     d_inner = conv_weight.shape[0]
-    xz = matmul_rows(rms_norm(x, norm, eps), in_proj)
+    xz = product(rms_norm(x, norm, eps), in_proj)
     xc = conv_step_(xz[:, :d_inner], window, conv_weight, conv_bias)
-    dbc = matmul_rows(xc, x_proj)
+    dbc = product(xc, x_proj)
     y = mamba_ssm_step_(dbc, xc, xz[:, d_inner:], dt_proj, dt_bias, A, D, h, dt_rank, d_state)
-    return x + matmul_rows(y, out_proj)
+    return x + product(y, out_proj)
+
+
+def mamba_layer_one_(*args: Any) -> torch.Tensor:
+    """:func:`mamba_layer_` for one sequence's token (every product a :func:`gemv`)."""
+    return mamba_layer_(gemv, *args)
+
+
+def mamba_layer_many_(*args: Any) -> torch.Tensor:
+    """:func:`mamba_layer_` for one token of each of several sequences (products :func:`matmul_rows`)."""
+    return mamba_layer_(matmul_rows, *args)
 
 
 # Tokens a compiled scan block advances: 16 steps unrolled into one kernel (compiles in a few seconds).
@@ -299,29 +286,8 @@ def mamba2_mixer_step_(
     return gated_group_rms_norm(y.reshape(n_seqs, d_inner), z, ssm_norm, n_group, eps)
 
 
-def mamba2_layer_one_(
-    x: torch.Tensor,
-    norm: torch.Tensor,
-    in_proj: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor,
-    dt_bias: torch.Tensor,
-    A: torch.Tensor,
-    D: torch.Tensor,
-    ssm_norm: torch.Tensor,
-    out_proj: torch.Tensor,
-    window: torch.Tensor,
-    h: torch.Tensor,
-    n_group: int,
-    eps: float,
-) -> torch.Tensor:
-    """A whole Mamba-2 block for one sequence's token (both products :func:`gemv`); returns the new ``x``."""
-    zxbcdt = gemv(rms_norm(x, norm, eps), in_proj)
-    y = mamba2_mixer_step_(zxbcdt, window, conv_weight, conv_bias, dt_bias, A, D, ssm_norm, h, n_group, eps)
-    return x + gemv(y, out_proj)
-
-
-def mamba2_layer_many_(
+def mamba2_layer_(
+    product: Product,
     x: torch.Tensor,
     norm: torch.Tensor,
     in_proj: RowsOperand,
@@ -337,10 +303,21 @@ def mamba2_layer_many_(
     n_group: int,
     eps: float,
 ) -> torch.Tensor:
-    """:func:`mamba2_layer_one_` for one token of each of several sequences (products :func:`matmul_rows`)."""
-    zxbcdt = matmul_rows(rms_norm(x, norm, eps), in_proj)
+    """A whole Mamba-2 block for one token of each sequence, both products through ``product``
+    (:func:`gemv` or :func:`matmul_rows`); returns the new ``x``."""
+    zxbcdt = product(rms_norm(x, norm, eps), in_proj)
     y = mamba2_mixer_step_(zxbcdt, window, conv_weight, conv_bias, dt_bias, A, D, ssm_norm, h, n_group, eps)
-    return x + matmul_rows(y, out_proj)
+    return x + product(y, out_proj)
+
+
+def mamba2_layer_one_(*args: Any) -> torch.Tensor:
+    """:func:`mamba2_layer_` for one sequence's token (both products :func:`gemv`)."""
+    return mamba2_layer_(gemv, *args)
+
+
+def mamba2_layer_many_(*args: Any) -> torch.Tensor:
+    """:func:`mamba2_layer_` for one token of each of several sequences (products :func:`matmul_rows`)."""
+    return mamba2_layer_(matmul_rows, *args)
 
 
 def head_one(x: torch.Tensor, norm_f: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
