@@ -1,20 +1,19 @@
 """ARWKV-7 GGUF files (llama.cpp's ``arwkv7``): hyperparameters from ``arwkv7.*`` keys and the weights by
 llama.cpp's tensor names (as its ``llama_model_arwkv7::load_arch_tensors`` creates them).
 
-``arwkv7_config(key, n_vocab, optional)`` and ``build_arwkv7(ckpt, dtype, compile)``.
+``arwkv7_config(keys, n_vocab)`` and ``build_arwkv7(ckpt, dtype, compile)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import gguf
 import torch
 
 from rsmem.errors import ModelFormatError
-from rsmem.loaders.checkpoint import metadata_int as _int
 from rsmem.loaders.checkpoint import tensor_name as name
+from rsmem.loaders.rwkv_keys import ArchKeys, LayerTensors, consistent
 from rsmem.models.arwkv7 import Arwkv7Config, Arwkv7Layer, Arwkv7Model, Arwkv7Weights
 from rsmem.models.compiled import CompileSetting
 
@@ -24,32 +23,13 @@ if TYPE_CHECKING:
 T = gguf.MODEL_TENSOR
 
 
-def arwkv7_config(
-    key: Callable[[str], object], n_vocab: int, optional: Callable[[str], object | None]
-) -> Arwkv7Config:
-    """From ``arwkv7.*`` metadata (``key`` raises for a missing key)."""
-    shift = optional("token_shift_count")
-    if shift is not None and _int(shift, "token_shift_count") != 1:
-        raise ModelFormatError(f"arwkv7 needs token_shift_count 1, got {shift!r}")
-    eps = optional("attention.layer_norm_rms_epsilon")
-    gate = optional("attention.gate_lora_rank")
-    try:
-        return Arwkv7Config(
-            d_model=_int(key("embedding_length"), "embedding_length"),
-            n_layer=_int(key("block_count"), "block_count"),
-            n_vocab=n_vocab,
-            d_ff=_int(key("feed_forward_length"), "feed_forward_length"),
-            head_size=_int(key("wkv.head_size"), "wkv.head_size"),
-            n_lora_decay=_int(key("attention.decay_lora_rank"), "attention.decay_lora_rank"),
-            n_lora_iclr=_int(key("attention.iclr_lora_rank"), "attention.iclr_lora_rank"),
-            n_lora_value_res_mix=_int(
-                key("attention.value_residual_mix_lora_rank"), "attention.value_residual_mix_lora_rank"
-            ),
-            n_lora_gate=0 if gate is None else _int(gate, "attention.gate_lora_rank"),
-            eps=1e-6 if eps is None else float(eps),  # type: ignore[arg-type]
-        )
-    except ValueError as exc:
-        raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
+def arwkv7_config(keys: ArchKeys, n_vocab: int) -> Arwkv7Config:
+    """From ``arwkv7.*`` metadata."""
+    keys.token_shift(1)
+    gate = keys.integer_or("attention.gate_lora_rank", 0)
+    eps = keys.float_or("attention.layer_norm_rms_epsilon", 1e-6)
+    with consistent():
+        return Arwkv7Config(**keys.body(), **keys.v7_loras(), n_vocab=n_vocab, n_lora_gate=gate, eps=eps)
 
 
 def build_arwkv7(ckpt: Checkpoint, dtype: torch.dtype, compile: CompileSetting) -> Arwkv7Model:
@@ -58,13 +38,8 @@ def build_arwkv7(ckpt: Checkpoint, dtype: torch.dtype, compile: CompileSetting) 
     d, f = cfg.d_model, cfg.d_ff
     layers = []
     for b in range(cfg.n_layer):
-
-        def get(kind: gguf.MODEL_TENSOR, shape: tuple[int, ...], suffix: str = ".weight") -> torch.Tensor:
-            return ckpt.get(name(kind, b, suffix), shape)  # noqa: B023 (used at once, inside the loop)
-
-        def has(kind: gguf.MODEL_TENSOR, suffix: str = ".weight") -> bool:
-            return name(kind, b, suffix) in ckpt.tensors  # noqa: B023
-
+        t = LayerTensors(ckpt, b)
+        get = t.get
         lerp = ckpt.tensors.get(name(T.TIME_MIX_LERP_FUSED, b))
         if lerp is None or lerp.numel() not in (5 * d, 6 * d):
             raise ModelFormatError(
@@ -95,10 +70,10 @@ def build_arwkv7(ckpt: Checkpoint, dtype: torch.dtype, compile: CompileSetting) 
             layer.v0 = get(T.TIME_MIX_V0, (d,))
             layer.v1 = get(T.TIME_MIX_V1, (cfg.n_lora_value_res_mix, d))
             layer.v2 = get(T.TIME_MIX_V2, (d, cfg.n_lora_value_res_mix))
-        if has(T.TIME_MIX_G1) and has(T.TIME_MIX_G2):
+        if t.has(T.TIME_MIX_G1) and t.has(T.TIME_MIX_G2):
             layer.g1 = get(T.TIME_MIX_G1, (cfg.n_lora_gate, d))
             layer.g2 = get(T.TIME_MIX_G2, (d, cfg.n_lora_gate))
-        if has(T.TIME_MIX_LN) and has(T.TIME_MIX_LN, ".bias"):
+        if t.has(T.TIME_MIX_LN) and t.has(T.TIME_MIX_LN, ".bias"):
             layer.ln_x, layer.ln_x_b = get(T.TIME_MIX_LN, (d,)), get(T.TIME_MIX_LN, (d,), ".bias")
         layers.append(layer)
     weights = Arwkv7Weights(

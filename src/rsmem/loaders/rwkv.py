@@ -17,7 +17,6 @@ import torch
 
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.arwkv7 import arwkv7_config, build_arwkv7
-from rsmem.loaders.checkpoint import metadata_int as _int
 from rsmem.loaders.checkpoint import tensor_name as name
 from rsmem.loaders.rwkv6 import (
     BLINK_NORMS,
@@ -28,6 +27,7 @@ from rsmem.loaders.rwkv6 import (
     rwkv6_config,
 )
 from rsmem.loaders.rwkv6qwen2 import build_rwkv6qwen2, rwkv6qwen2_config
+from rsmem.loaders.rwkv_keys import ArchKeys, LayerTensors, consistent
 from rsmem.models.arwkv7 import Arwkv7Model
 from rsmem.models.compiled import CompileSetting
 from rsmem.models.rwkv6 import Rwkv6Config, Rwkv6Model
@@ -47,35 +47,20 @@ Key = Callable[[str], object]
 def config_from_gguf(
     arch: str, key: Key, n_vocab: int, optional: Callable[[str], object | None]
 ) -> Rwkv7Config | Rwkv6Config:
+    keys = ArchKeys(arch, key, optional)
     if arch == "rwkv6":
-        return rwkv6_config(key, n_vocab, optional)
+        return rwkv6_config(keys, n_vocab)
     if arch == "arwkv7":
-        return arwkv7_config(key, n_vocab, optional)
+        return arwkv7_config(keys, n_vocab)
     if arch == "rwkv6qwen2":
-        return rwkv6qwen2_config(key, n_vocab, optional)
+        return rwkv6qwen2_config(keys, n_vocab)
     if arch != "rwkv7":
         raise ModelFormatError(f"unsupported RWKV architecture {arch!r}")
-    shift = optional("token_shift_count")
-    if shift is not None and _int(shift, "token_shift_count") != 2:
-        raise ModelFormatError(f"rwkv7 needs token_shift_count 2, got {shift!r}")
-    eps = optional("attention.layer_norm_epsilon")
-    try:
-        return Rwkv7Config(
-            d_model=_int(key("embedding_length"), "embedding_length"),
-            n_layer=_int(key("block_count"), "block_count"),
-            n_vocab=n_vocab,
-            head_size=_int(key("wkv.head_size"), "wkv.head_size"),
-            d_ff=_int(key("feed_forward_length"), "feed_forward_length"),
-            n_lora_decay=_int(key("attention.decay_lora_rank"), "attention.decay_lora_rank"),
-            n_lora_iclr=_int(key("attention.iclr_lora_rank"), "attention.iclr_lora_rank"),
-            n_lora_value_res_mix=_int(
-                key("attention.value_residual_mix_lora_rank"), "attention.value_residual_mix_lora_rank"
-            ),
-            n_lora_gate=_int(key("attention.gate_lora_rank"), "attention.gate_lora_rank"),
-            eps=1e-5 if eps is None else float(eps),  # type: ignore[arg-type]
-        )
-    except ValueError as exc:
-        raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
+    keys.token_shift(2)
+    gate = keys.integer("attention.gate_lora_rank")
+    eps = keys.float_or("attention.layer_norm_epsilon", 1e-5)
+    with consistent():
+        return Rwkv7Config(**keys.body(), **keys.v7_loras(), n_vocab=n_vocab, n_lora_gate=gate, eps=eps)
 
 
 def build_rwkv(
@@ -100,14 +85,11 @@ def _rwkv7(ckpt: Checkpoint, dtype: torch.dtype, compile: CompileSetting) -> Rwk
     d, f = cfg.d_model, cfg.d_ff
     layers = []
     for b in range(cfg.n_layer):
+        t = LayerTensors(ckpt, b)
+        get = t.get
 
-        def get(kind: gguf.MODEL_TENSOR, shape: tuple[int, ...], suffix: str = ".weight") -> torch.Tensor:
-            return ckpt.get(name(kind, b, suffix), shape)  # noqa: B023 (used at once, inside the loop)
-
-        def lora(
-            k1: gguf.MODEL_TENSOR, k2: gguf.MODEL_TENSOR, rank: int
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            return get(k1, (rank, d)), get(k2, (d, rank))
+        def lora(k1: gguf.MODEL_TENSOR, k2: gguf.MODEL_TENSOR, rank: int) -> tuple[torch.Tensor, ...]:
+            return t.lora(k1, k2, d, rank)  # noqa: B023 (used at once, inside the loop)
 
         w1, w2 = lora(T.TIME_MIX_W1, T.TIME_MIX_W2, cfg.n_lora_decay)
         a1, a2 = lora(T.TIME_MIX_A1, T.TIME_MIX_A2, cfg.n_lora_iclr)

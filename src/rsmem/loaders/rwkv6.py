@@ -12,8 +12,8 @@ import gguf
 import torch
 
 from rsmem.errors import ModelFormatError
-from rsmem.loaders.checkpoint import metadata_int as _int
 from rsmem.loaders.checkpoint import tensor_name as name
+from rsmem.loaders.rwkv_keys import ArchKeys, LayerTensors, consistent, rwkv6_time_mix
 from rsmem.models.compiled import CompileSetting
 from rsmem.models.rwkv6 import Rwkv6Config, Rwkv6Layer, Rwkv6Model, Rwkv6Weights
 
@@ -39,29 +39,15 @@ def outer_tensors(ckpt: Checkpoint, n_vocab: int, d: int) -> dict[str, torch.Ten
     }
 
 
-def rwkv6_config(
-    key: Callable[[str], object], n_vocab: int, optional: Callable[[str], object | None]
-) -> Rwkv6Config:
-    """From ``rwkv6.*`` metadata (``key`` raises for a missing key)."""
-    shift = optional("token_shift_count")
-    if shift is not None and _int(shift, "token_shift_count") != 2:
-        raise ModelFormatError(f"rwkv6 needs token_shift_count 2, got {shift!r}")
-    eps = optional("attention.layer_norm_epsilon")
-    rescale = optional("rescale_every_n_layers")
-    try:
+def rwkv6_config(keys: ArchKeys, n_vocab: int) -> Rwkv6Config:
+    """From ``rwkv6.*`` metadata."""
+    keys.token_shift(2)
+    rescale = keys.integer_or("rescale_every_n_layers", 0)
+    eps = keys.float_or("attention.layer_norm_epsilon", 1e-5)
+    with consistent():
         return Rwkv6Config(
-            d_model=_int(key("embedding_length"), "embedding_length"),
-            n_layer=_int(key("block_count"), "block_count"),
-            n_vocab=n_vocab,
-            head_size=_int(key("wkv.head_size"), "wkv.head_size"),
-            d_ff=_int(key("feed_forward_length"), "feed_forward_length"),
-            time_mix_extra_dim=_int(key("time_mix_extra_dim"), "time_mix_extra_dim"),
-            time_decay_extra_dim=_int(key("time_decay_extra_dim"), "time_decay_extra_dim"),
-            rescale_every_n_layers=0 if rescale is None else _int(rescale, "rescale_every_n_layers"),
-            eps=1e-5 if eps is None else float(eps),  # type: ignore[arg-type]
+            **keys.body(), **keys.v6_extra(), n_vocab=n_vocab, rescale_every_n_layers=rescale, eps=eps
         )
-    except ValueError as exc:
-        raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
 
 
 def build_rwkv6(
@@ -72,11 +58,9 @@ def build_rwkv6(
     d, f, e, de = cfg.d_model, cfg.d_ff, cfg.time_mix_extra_dim, cfg.time_decay_extra_dim
     layers = []
     for b in range(cfg.n_layer):
-
-        def get(kind: gguf.MODEL_TENSOR, shape: tuple[int, ...], suffix: str = ".weight") -> torch.Tensor:
-            return ckpt.get(name(kind, b, suffix), shape)  # noqa: B023 (used at once, inside the loop)
-
-        if name(T.TIME_MIX_LERP_FUSED, b) not in ckpt.tensors:
+        t = LayerTensors(ckpt, b)
+        get = t.get
+        if not t.has(T.TIME_MIX_LERP_FUSED):
             raise ModelFormatError(
                 f"{ckpt.source}: rwkv6 without time_mix_lerp_fused (layer {b}) is not supported"
             )
@@ -86,19 +70,10 @@ def build_rwkv6(
                 attn_norm_b=get(T.ATTN_NORM, (d,), ".bias"),
                 ffn_norm=get(T.ATTN_NORM_2, (d,)),
                 ffn_norm_b=get(T.ATTN_NORM_2, (d,), ".bias"),
-                lerp_x=get(T.TIME_MIX_LERP_X, (d,)),
-                lerp=get(T.TIME_MIX_LERP_FUSED, (5, d)),
-                w1=get(T.TIME_MIX_W1, (5 * e, d)),
-                w2=get(T.TIME_MIX_W2, (5, d, e)),
-                decay=get(T.TIME_MIX_DECAY, (d,)),
-                decay_w1=get(T.TIME_MIX_DECAY_W1, (de, d)),
-                decay_w2=get(T.TIME_MIX_DECAY_W2, (d, de)),
+                **rwkv6_time_mix(t, d, e, de),
                 first=get(T.TIME_MIX_FIRST, (cfg.n_head, cfg.head_size)),
-                receptance=get(T.TIME_MIX_RECEPTANCE, (d, d)),
                 key=get(T.TIME_MIX_KEY, (d, d)),
                 value=get(T.TIME_MIX_VALUE, (d, d)),
-                gate=get(T.TIME_MIX_GATE, (d, d)),
-                output=get(T.TIME_MIX_OUTPUT, (d, d)),
                 ln_x=get(T.TIME_MIX_LN, (d,)),
                 ln_x_b=get(T.TIME_MIX_LN, (d,), ".bias"),
                 ffn_lerp_k=get(T.CHANNEL_MIX_LERP_K, (d,)),
