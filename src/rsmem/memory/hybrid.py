@@ -169,7 +169,16 @@ class HybridMemory:
             n_rs_seq=n_rs_seq,
         )
         kv_size = kv_size_for(n_ctx, recurrent.n_seq_max, kv_unified)
-        kv = KVCache(model.kv_layers, kv_size, n_seq_max, unified=kv_unified, dtype=kv_dtype, device=device)
+        cell_ext = bool(getattr(model, "kv_cell_ext", False))  # M-RoPE models: cells keep their tokens
+        kv = KVCache(
+            model.kv_layers,
+            kv_size,
+            n_seq_max,
+            unified=kv_unified,
+            dtype=kv_dtype,
+            device=device,
+            cell_ext=cell_ext,
+        )
         kv.set_k_shift(model.k_shift)
         return cls(recurrent, kv)
 

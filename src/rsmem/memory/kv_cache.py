@@ -43,8 +43,9 @@ class KVCache:
 
     ``layers`` maps each attention layer to ``(n_embd_k_gqa, n_embd_v_gqa)`` (values per cell);
     ``kv_size`` is the cells of one stream; ``v_trans`` is how state bytes store V (llama.cpp transposes
-    it unless flash attention is on), it does not change the tensors here.
-    """
+    it unless flash attention is on), it does not change the tensors here. ``cell_ext``: each cell also
+    keeps the token stored there (``cell_tok``; -1 when unknown), which state bytes carry as llama.cpp's
+    ``llama_kv_cell_ext`` (models with M-RoPE, e.g. Qwen3.5)."""
 
     def __init__(
         self,
@@ -56,6 +57,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         v_trans: bool = True,
+        cell_ext: bool = False,
     ) -> None:
         if dtype not in KV_DTYPES:
             raise ValueError(f"KV dtype must be float32, float16 or bfloat16, got {dtype}")
@@ -79,6 +81,8 @@ class KVCache:
         self.streams = [KVCells(kv_size) for _ in range(self.n_stream)]
         self.heads = [0] * self.n_stream
         self.k_shift: KShift | None = None
+        self.cell_ext = cell_ext
+        self.cell_tok = [[-1] * kv_size for _ in range(self.n_stream)] if cell_ext else []
 
     # ----------------------------------------------------------------- sizes
 
@@ -178,6 +182,8 @@ class KVCache:
                 dst.occupy(i, src.pos[i], {seq_id_dst})
                 dst.shift[i] = src.shift[i]
         self.heads[s1] = self.heads[s0]
+        if self.cell_ext:
+            self.cell_tok[s1] = list(self.cell_tok[s0])
         for t in (*self.k_l.values(), *self.v_l.values()):
             t[s1].copy_(t[s0])
 
@@ -294,6 +300,8 @@ class KVCache:
                 if cells.pos[i] >= 0:
                     cells.rm(i)
                 cells.occupy(i, ubatch.pos[t], set(ubatch.seq_ids[t]))
+                if self.cell_ext:
+                    self.cell_tok[st][i] = ubatch.tokens[t]
             self.heads[st] = idxs[-1] + 1
 
     def prepare(self, ubatches: Sequence[UBatch]) -> list[SlotInfo] | None:

@@ -5,6 +5,7 @@ Layout (little-endian)::
     u32 n_stream
     per stream: u32 cell_count; when > 0:
         per cell: i32 pos, u32 n_seq_id, n_seq_id x i32 seq_id      (one sequence's state: just that id)
+                  (a cache with ``cell_ext``: i32 x, i32 y, i32 tok after n_seq_id; x = y = pos for text)
         u32 v_trans, u32 n_layer (attention layers)
         per layer: i32 ggml_type, u64 row_bytes, cell_count K rows
         v_trans = 0: per layer: i32 ggml_type, u64 row_bytes, cell_count V rows
@@ -40,6 +41,7 @@ class KVStream:
     cells: list[tuple[int, tuple[int, ...]]]
     k: dict[int, torch.Tensor]
     v: dict[int, torch.Tensor]
+    tok: list[int] | None = None  # the cells' tokens (ext.tok) of a cache with cell_ext
 
 
 # ---------------------------------------------------------------- writing
@@ -63,6 +65,10 @@ def write_kv(cache: KVCache, seq_id: int = -1) -> bytes:
             continue
         for i in idx:
             ids = sorted(cells.seqs[i]) if seq_id < 0 else [seq_id]
+            if cache.cell_ext:
+                ext = (cells.pos[i], cells.pos[i], cache.cell_tok[st][i])
+                out.append(struct.pack(f"<iI3i{len(ids)}i", cells.pos[i], len(ids), *ext, *ids))
+                continue
             out.append(struct.pack(f"<iI{len(ids)}i", cells.pos[i], len(ids), *ids))
         out.append(struct.pack("<II", int(cache.v_trans), len(cache.layer_dims)))
         index = torch.tensor(idx, dtype=torch.long, device=cache.device)
@@ -136,8 +142,11 @@ def parse_kv(reader: Reader, cache: KVCache, dest_seq: int) -> list[KVStream]:
         if n > cache.size:
             raise StateFormatError(f"KV stream {st} has {n} cells, the cache only {cache.size}")
         cells = []
+        toks: list[int] = []
         for i in range(n):
             pos, n_ids = reader.unpack("iI", f"KV cell {i} header")
+            if cache.cell_ext:
+                toks.append(reader.unpack("3i", f"KV cell {i} ext")[2])
             if pos < 0:
                 raise StateFormatError(f"KV cell {i}: position {pos} is negative")
             if dest_seq >= 0 and n_ids != 1:
@@ -156,7 +165,7 @@ def parse_kv(reader: Reader, cache: KVCache, dest_seq: int) -> list[KVStream]:
             )
         k = {il: _parse_rows(reader, cache, il, n, "K", False) for il in cache.layer_dims}
         v = {il: _parse_rows(reader, cache, il, n, "V", bool(v_trans)) for il in cache.layer_dims}
-        streams.append(KVStream(st, cells, k, v))
+        streams.append(KVStream(st, cells, k, v, toks if cache.cell_ext else None))
     if dest_seq >= 0 and len(streams) > 1:
         raise StateFormatError(f"a sequence's KV state has cells in {len(streams)} streams, expected one")
     return streams
@@ -168,7 +177,7 @@ def _place(cache: KVCache, stream: KVStream, dest_seq: int) -> tuple[int, SlotIn
     cache.seq_rm(dest_seq, -1, -1)
     n = len(stream.cells)
     ub = UBatch(
-        tokens=(0,) * n,
+        tokens=tuple(stream.tok) if stream.tok is not None else (-1,) * n,
         pos=tuple(p for p, _ in stream.cells),
         seq_ids=((dest_seq,),) * n,
         outputs=(False,) * n,
@@ -190,10 +199,13 @@ def can_restore_kv(cache: KVCache, streams: list[KVStream], dest_seq: int) -> bo
     st = cache.stream_of(dest_seq)
     saved: KVCells = cache.streams[st].copy()
     heads = list(cache.heads)
+    toks = list(cache.cell_tok[st]) if cache.cell_ext else []
     try:
         return _place(cache, streams[0], dest_seq)[1] is not None
     finally:
         cache.streams[st], cache.heads = saved, heads
+        if cache.cell_ext:
+            cache.cell_tok[st] = toks
 
 
 def restore_kv(cache: KVCache, streams: list[KVStream], dest_seq: int) -> None:
@@ -205,6 +217,8 @@ def restore_kv(cache: KVCache, streams: list[KVStream], dest_seq: int) -> None:
             cells = cache.streams[s.stream]
             for i, (pos, ids) in enumerate(s.cells):
                 cells.occupy(i, pos, set(ids))
+                if cache.cell_ext:
+                    cache.cell_tok[s.stream][i] = s.tok[i] if s.tok is not None else -1
             _write_rows(cache, s, s.stream, list(range(len(s.cells))))
         return
     if not can_restore_kv(cache, streams, dest_seq):
