@@ -20,6 +20,7 @@ from rsmem.models.lfm2 import Lfm2Model
 from rsmem.models.mamba import MambaModel
 from rsmem.models.mamba2 import Mamba2Model
 from rsmem.models.nemotron_h import NemotronHModel
+from rsmem.models.qwen35 import Qwen35Model
 from rsmem.threads import use_threads
 
 
@@ -45,7 +46,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     n_threads: int | None = None,
     compile: CompileSetting = None,
-) -> MambaModel | Mamba2Model | Lfm2Model | NemotronHModel:
+) -> MambaModel | Mamba2Model | Lfm2Model | NemotronHModel | Qwen35Model:
     """Load a model; ``model.tokenizer`` is its ``tokenizers.Tokenizer`` when the file carries one.
 
     ``dtype`` is the matrices' compute dtype (float32 or bfloat16); ``n_threads`` sets torch's intra-op

@@ -19,8 +19,19 @@ from rsmem.models.mamba import MambaConfig, MambaLayer, MambaModel, MambaWeights
 from rsmem.models.mamba2 import Mamba2Config, Mamba2Layer, Mamba2Model, Mamba2Weights
 from rsmem.models.nemotron_h import NemotronHModel
 from rsmem.models.ops.quantized import Matrix, QuantMatrix
+from rsmem.models.qwen35 import Qwen35Model
 
-SUPPORTED_ARCHS = ("mamba", "mamba2", "lfm2", "nemotron_h", "rwkv7", "rwkv6", "arwkv7", "rwkv6qwen2")
+SUPPORTED_ARCHS = (
+    "mamba",
+    "mamba2",
+    "lfm2",
+    "nemotron_h",
+    "qwen35",
+    "rwkv7",
+    "rwkv6",
+    "arwkv7",
+    "rwkv6qwen2",
+)
 T = gguf.MODEL_TENSOR
 
 
@@ -83,7 +94,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def build_model(
     ckpt: Checkpoint, dtype: torch.dtype = torch.float32, compile: CompileSetting = None
-) -> MambaModel | Mamba2Model | Lfm2Model | NemotronHModel:
+) -> MambaModel | Mamba2Model | Lfm2Model | NemotronHModel | Qwen35Model:
     """Make the model of ``ckpt.arch`` from its tensors (``compile``: see ``set_compile`` of the models)."""
     if ckpt.arch == "mamba":
         return MambaModel(ckpt.config, _mamba_weights(ckpt), dtype=dtype, compile=compile)  # type: ignore[arg-type]

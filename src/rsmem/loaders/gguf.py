@@ -21,6 +21,7 @@ from rsmem.models.mamba import MambaConfig
 from rsmem.models.mamba2 import Mamba2Config
 from rsmem.models.nemotron_h import NemotronHConfig
 from rsmem.models.ops.quantized import QuantMatrix
+from rsmem.models.qwen35 import Qwen35Config
 from rsmem.models.rwkv6 import Rwkv6Config
 from rsmem.models.rwkv7 import Rwkv7Config
 
@@ -109,7 +110,7 @@ def _config(reader: gguf.GGUFReader, arch: str, n_vocab: int, path: Path) -> Mam
 
 def _hybrid_config(
     reader: gguf.GGUFReader, arch: str, n_vocab: int, path: Path
-) -> Lfm2Config | NemotronHConfig | Rwkv7Config | Rwkv6Config:
+) -> Lfm2Config | NemotronHConfig | Qwen35Config | Rwkv7Config | Rwkv6Config:
     def optional(k: str) -> object | None:
         field = reader.fields.get(f"{arch}.{k}")
         return None if field is None else field.contents()

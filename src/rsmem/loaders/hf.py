@@ -15,6 +15,8 @@ from safetensors import safe_open
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.checkpoint import Checkpoint, T, tensor_name
 from rsmem.loaders.hf_hybrid import HF_HYBRID_ARCHS, hybrid_checkpoint
+from rsmem.loaders.qwen35 import HF_MODEL_TYPES as QWEN35_MODEL_TYPES
+from rsmem.loaders.qwen35 import qwen35_checkpoint
 from rsmem.loaders.rwkv_hf import is_rwkv7_folder, read_hf_rwkv7
 from rsmem.loaders.tokenizer import tokenizer_data_from_hf
 from rsmem.models.mamba import MambaConfig
@@ -61,6 +63,8 @@ def read_hf(folder: str | os.PathLike[str]) -> Checkpoint:
         return read_hf_rwkv7(folder)
     if arch in HF_HYBRID_ARCHS:
         return hybrid_checkpoint(folder, config, _read_safetensors(folder))
+    if arch in QWEN35_MODEL_TYPES:
+        return qwen35_checkpoint(folder, config, _read_safetensors(folder))
     if arch not in ("mamba", "mamba2"):
         raise ModelFormatError(f"{folder}: unsupported architecture {arch!r} (model_type in config.json)")
     if config.get("use_bias"):

@@ -14,6 +14,7 @@ import torch
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.checkpoint import Checkpoint, tensor_name
 from rsmem.loaders.checkpoint import metadata_int as _int
+from rsmem.loaders.qwen35 import build_qwen35, qwen35_config_from_gguf
 from rsmem.models.compiled import CompileSetting
 from rsmem.models.lfm2 import Attention, Lfm2Config, Lfm2Layer, Lfm2Model, Lfm2Weights
 from rsmem.models.nemotron_h import (
@@ -26,8 +27,9 @@ from rsmem.models.nemotron_h import (
     NemotronHModel,
     NemotronHWeights,
 )
+from rsmem.models.qwen35 import Qwen35Config, Qwen35Model
 
-HYBRID_ARCHS = ("lfm2", "nemotron_h")
+HYBRID_ARCHS = ("lfm2", "nemotron_h", "qwen35")
 T = gguf.MODEL_TENSOR
 
 Key = Callable[[str], object]  # "{arch}.<key>" metadata value; raises ModelFormatError when missing
@@ -46,7 +48,9 @@ def _per_layer(value: object, n_layer: int, what: str) -> tuple[int, ...]:
 
 def config_from_gguf(
     arch: str, key: Key, n_vocab: int, optional: Callable[[str], object | None]
-) -> Lfm2Config | NemotronHConfig:
+) -> Lfm2Config | NemotronHConfig | Qwen35Config:
+    if arch == "qwen35":
+        return qwen35_config_from_gguf(key, n_vocab, optional)
     n_layer = _int(key("block_count"), "block_count")
     if arch == "nemotron_h":
         return _nemotron_h_config(key, n_vocab, optional, n_layer)
@@ -106,8 +110,10 @@ def _nemotron_h_config(
 
 def build_hybrid(
     ckpt: Checkpoint, dtype: torch.dtype = torch.float32, compile: CompileSetting = None
-) -> Lfm2Model | NemotronHModel:
+) -> Lfm2Model | NemotronHModel | Qwen35Model:
     """The model of ``ckpt`` (``dtype``: its matrices'; ``compile``: see the models' ``set_compile``)."""
+    if ckpt.arch == "qwen35":
+        return build_qwen35(ckpt, dtype, compile)
     if ckpt.arch == "lfm2":
         return _lfm2(ckpt, dtype, compile)
     if ckpt.arch == "nemotron_h":
