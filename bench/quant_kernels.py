@@ -10,6 +10,7 @@ weights from memory, not from the 32 MiB L3 cache, as a model's decode step does
 
     PYTHONPATH=src python bench/quant_kernels.py --rounds 5
     PYTHONPATH=src python bench/quant_kernels.py --shapes in_proj --m 1,8 --types q8_0,q4_k --threads 1
+    PYTHONPATH=src python bench/quant_kernels.py --routes 0,3 --m 1  # also each C++ route forced (kind@route)
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ def main() -> None:
     ap.add_argument("--min-time", type=float, default=0.05, help="seconds per timing")
     ap.add_argument("--no-bf16", action="store_true")
     ap.add_argument("--cold", action="store_true", help="weights read from memory, not cache")
+    ap.add_argument(
+        "--routes",
+        default="",
+        help="C++ routes to time as well, forced (0 registers, 1 f32 tiles, 2 bf16 tiles, 3 int8); "
+        "a route without a kernel for a type is skipped",
+    )
     args = ap.parse_args()
     ops = native_ops()
     print(f"rsmem {rsmem.__version__}: OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
@@ -113,6 +120,13 @@ def main() -> None:
                 for name, bs in blocks.items():
                     calls = [partial(qmatmul, x, b, TYPES[name], k) for b in bs]
                     cases.append((shape, m, th, name, rotating(calls)))
+                    for route in (int(r) for r in args.routes.split(",") if r):
+                        forced = [partial(ops.qmatmul, x, b, int(TYPES[name]), k, route) for b in bs]
+                        try:
+                            forced[0]()
+                        except (RuntimeError, ValueError):
+                            continue
+                        cases.append((shape, m, th, f"{name}@{route}", rotating(forced)))
 
     times: dict[tuple[str, int, int, str], list[float]] = {c[:4]: [] for c in cases}
     with torch.inference_mode():
@@ -122,12 +136,12 @@ def main() -> None:
                 times[(shape, m, th, kind)].append(per_call(fn, args.min_time))
             print(f"round {r + 1}/{args.rounds} done", flush=True)
 
-    print(f"\n{'shape':<11}{'M':>5}{'thr':>4}  {'kind':<6}{'median ms':>11}{'worst ms':>10}{'vs f32':>8}")
+    print(f"\n{'shape':<11}{'M':>5}{'thr':>4}  {'kind':<9}{'median ms':>11}{'worst ms':>10}{'vs f32':>8}")
     for (shape, m, th, kind), ts in times.items():
         base = times[(shape, m, th, "f32")]
         ratio = statistics.median(b / t for b, t in zip(base, ts))
         print(
-            f"{shape:<11}{m:>5}{th:>4}  {kind:<6}{statistics.median(ts) * 1e3:>11.3f}"
+            f"{shape:<11}{m:>5}{th:>4}  {kind:<9}{statistics.median(ts) * 1e3:>11.3f}"
             f"{max(ts) * 1e3:>10.3f}{ratio:>7.2f}x"
         )
 

@@ -61,6 +61,53 @@ def assert_bf16_close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qt
     assert ours <= 1e-2 * exact.abs().max().item()
 
 
+def q8k_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` after llama.cpp's Q8_K quantization (blocks of 256: ``d = 1 / (127 / amax)``, ``round(x * 127 /
+    amax)`` in float32, half to even), as float64: what the int8 route multiplies."""
+    xb = x.reshape(x.shape[0], -1, 256)
+    amax = xb.abs().amax(-1, keepdim=True)
+    iscale = torch.where(amax == 0, torch.zeros_like(amax), 127.0 / amax.clamp_min(1e-38))
+    d = torch.where(amax == 0, torch.zeros_like(amax), 1.0 / iscale.clamp_min(1e-38))
+    return (torch.round(xb * iscale).double() * d.double()).reshape(x.shape)
+
+
+# the int8 route against its twin (Q8_K activations, float64 product): the integer sums are exact, only the
+# float32 block scales and sums round (a few float32 epsilons of sum_i |x_i w_i|); a wrong sub-block, scale
+# or nibble order is off by ~1e-1 of it
+INT8_RTOL = 1e-6
+
+
+def uses_int8(qtype: Q, m: int) -> bool:
+    """Whether rsmem::qmatmul takes the int8 route (3) for ``m`` rows of ``qtype`` here."""
+    ops = build.native_ops()
+    return ops is not None and "vnni" in ops.isa() and qtype in INT8_TYPES and 0 < m <= INT8_MAX_M
+
+
+INT8_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+INT8_MAX_M = 16
+
+
+def assert_int8_close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qtype: Q, k: int) -> None:
+    """``y`` is the product of the Q8_K-quantized activations with the dequantized weights, to
+    INT8_RTOL x sum_i |x_i w_i| each output."""
+    w = dequantize_rows(blocks, qtype, k).double()
+    want = q8k_activations(x) @ w.T
+    magnitude = (x.abs().double() @ w.abs().T).clamp_min(1e-30)
+    worst = ((y.double() - want).abs() / magnitude).max().item() if want.numel() else 0.0
+    assert worst <= INT8_RTOL, f"int8 route error {worst:.3g} of sum |x w| > {INT8_RTOL}"
+
+
+def assert_default_close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qtype: Q, k: int) -> None:
+    """``y`` from the route rsmem::qmatmul chooses for ``x``'s row count, within that route's bound."""
+    ops = build.native_ops()
+    if uses_int8(qtype, x.shape[0]):
+        assert_int8_close(y, x, blocks, qtype, k)
+    elif x.shape[0] >= 9 and ops is not None and "bf16" in ops.isa():
+        assert_bf16_close(y, x, blocks, qtype, k)
+    else:
+        assert_f32_close(y, x, blocks, qtype, k)
+
+
 def assert_f32_close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qtype: Q, k: int) -> None:
     """``y`` is within F32_RTOL x sum_i |x_i w_i| of the reference, each output."""
     ref = qmatmul_ref(x, blocks, qtype, k)
@@ -92,20 +139,17 @@ def test_native_dequantize_equals_gguf(qtype: Q) -> None:
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 17, 64, 512])
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 16, 17, 64, 512])
 def test_qmatmul_matches_reference(qtype: Q, m: int) -> None:
-    """M <= 8: float32 activations (the reference up to summation order); M >= 9: the bf16 route where the
-    CPU has AVX512-BF16, else float32 tiles."""
+    """K-quants, M <= 16 with AVX512-VNNI: int8 activations (their twin); other M <= 8: float32 activations
+    (the reference up to summation order); larger M: the bf16 route where the CPU has AVX512-BF16, else
+    float32 tiles."""
     n, k = 37, 512  # N odd: a last group of fewer than four weight rows
     blocks = random_blocks(qtype, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     y = qmatmul(x, blocks, qtype, k)
     assert y.shape == (m, n) and y.dtype == torch.float32
-    ops = build.native_ops()
-    if m >= 9 and ops is not None and "bf16" in ops.isa():
-        assert_bf16_close(y, x, blocks, qtype, k)
-    else:
-        assert_f32_close(y, x, blocks, qtype, k)
+    assert_default_close(y, x, blocks, qtype, k)
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
@@ -134,6 +178,9 @@ def test_empty_and_strided_inputs() -> None:
     assert qmatmul(torch.zeros(0, 64), blocks, Q.Q8_0, 64).shape == (0, 9)
     x = torch.randn(64, 3).T  # not contiguous
     assert_f32_close(qmatmul(x, blocks, Q.Q8_0, 64), x.contiguous(), blocks, Q.Q8_0, 64)
+    blocks = random_blocks(Q.Q6_K, 9, 256)
+    x = torch.randn(256, 2).T
+    assert_default_close(qmatmul(x, blocks, Q.Q6_K, 256), x.contiguous(), blocks, Q.Q6_K, 256)
 
 
 def test_reference_works_in_row_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,7 +206,7 @@ def test_op_under_torch_compile() -> None:
     b = [m for _, m in mats]
     y = compiled(x, *b)
     for i, (t, m) in enumerate(mats):
-        assert_f32_close((y[:, 19 * i : 19 * (i + 1)] - 1.0) / 2.0, x, m, t, k)
+        assert_default_close((y[:, 19 * i : 19 * (i + 1)] - 1.0) / 2.0, x, m, t, k)
     assert_f32_close(torch.ops.rsmem.qmatmul(x, b[0], int(Q.Q8_0), k), x, b[0], Q.Q8_0, k)
 
 
@@ -174,7 +221,7 @@ def test_op_under_torch_compile_with_a_dynamic_batch() -> None:
         with torch.inference_mode():
             y = compiled(x, blocks)
         assert y.shape == (m, 21)
-        assert_f32_close(y / 2.0, x, blocks, Q.Q4_K, k)
+        assert_default_close(y / 2.0, x, blocks, Q.Q4_K, k)
 
 
 @pytest.fixture

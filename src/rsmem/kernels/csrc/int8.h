@@ -1,0 +1,287 @@
+// Route 3 "int8": products of K-quant weights (Q4_K, Q5_K, Q6_K) with activations quantized to 8 bits per
+// block of 256 values, as llama.cpp's Q8_K does (one float scale d = amax / 127, int8 values, sums of each
+// 16 values), and integer dot products (AVX512-VNNI). A weight block is read as
+//   w_i = d * sc_s * q_i - c_s        (s = i / 16 the sub-block of 16 values)
+// with q_i unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63), sc_s an integer scale (Q4_K / Q5_K: the 6-bit
+// scale of its 32-value sub-block; Q6_K: the int8 scale) and c_s a float offset (Q4_K / Q5_K: dmin * min;
+// Q6_K: 32 * d * sc_s). So one block's dot product with activations x_i = dx * a_i is
+//   dx * d * sum_s sc_s * sum_{i in s} q_i a_i  -  sum_s c_s * dx * sum_{i in s} a_i
+// the first sum in int32 (vpmaddubsw: u8 x s8 pairs to int16, exact here as |2 * 63 * 127| < 2^15;
+// vpdpwssd: times the int16 scales into int32), the second from the activations' sums of 16.
+// Chunks of 64 values: Q4_K / Q5_K chunk c holds sub-blocks 2c and 2c + 1 (the low and high nibbles of the
+// same 32 bytes); Q6_K chunk c holds values 64c .. 64c + 63 in order (sub-blocks 4c .. 4c + 3).
+#pragma once
+
+#include "blocks.h"
+
+#if defined(RSMEM_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define RSMEM_INT8 1
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+namespace rsmem {
+namespace i8 {
+
+// One block of 256 activations: int8 values, their sums of 16 times d (float), and d.
+struct alignas(64) ABlock {
+  int8_t q[256];
+  float bsum[16];
+  float d;
+};
+
+// Quantize M rows of K float32 activations (K a multiple of 256) to ABlocks (llama.cpp's Q8_K: d = amax /
+// 127, q = round(x / d), rounding to nearest even).
+inline void quantize_rows(const float* x, int64_t M, int64_t K, ABlock* out) {
+  const int64_t nb = K / 256;
+  at::parallel_for(0, M * nb, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = x + b * 256;  // rows are contiguous: block b of the whole [M, K] array
+      ABlock& o = out[b];
+      __m512 amax = _mm512_setzero_ps();
+      for (int i = 0; i < 256; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+      const float a = _mm512_reduce_max_ps(amax);
+      if (a == 0.f) {
+        std::memset(o.q, 0, 256);
+        for (int j = 0; j < 16; ++j) o.bsum[j] = 0.f;
+        o.d = 0.f;
+        continue;
+      }
+      const float iscale = 127.f / a, d = 1.f / iscale;
+      const __m512 is = _mm512_set1_ps(iscale);
+      alignas(64) int32_t sums[16];
+      for (int j = 0; j < 16; ++j) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * j), is));
+        _mm_store_si128((__m128i*)(o.q + 16 * j), _mm512_cvtsepi32_epi8(q));
+        sums[j] = _mm512_reduce_add_epi32(q);
+      }
+      const __m512 bs = _mm512_cvtepi32_ps(_mm512_load_si512(sums));
+      _mm512_store_ps(o.bsum, _mm512_mul_ps(bs, _mm512_set1_ps(d)));
+      o.d = d;
+    }
+  });
+}
+
+#define RSMEM_INLINE inline __attribute__((always_inline))
+
+// int16 lane index vectors: lane l of chunk c takes integer scale kK4Idx[c][l] (Q4_K / Q5_K) or
+// kQ6Idx[c][l] (Q6_K); kMinIdx: the min of each sub-block of 16 (lanes 8..15 of the decoded scales).
+struct IdxTables {
+  alignas(64) int16_t k4[4][32];
+  alignas(64) int16_t q6[4][32];
+  alignas(64) int32_t min16[16];
+  constexpr IdxTables() : k4(), q6(), min16() {
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 32; ++l) {
+        k4[c][l] = static_cast<int16_t>(2 * c + l / 16);
+        q6[c][l] = static_cast<int16_t>(4 * c + l / 8);
+      }
+    for (int s = 0; s < 16; ++s) min16[s] = 8 + s / 2;
+  }
+};
+alignas(64) inline constexpr IdxTables kIdx{};
+
+// A weight block's constants: d, the 16 offsets c_s, and the integer scales as int16 lanes (zmm, 16 used).
+struct WConst {
+  float d;
+  __m512 c;
+  __m512i sc;
+};
+
+template <class T>
+struct Int8;
+
+// The eight 6-bit scales then the eight mins of a Q4_K / Q5_K block as 16 bytes (get_scale_min_k4).
+RSMEM_INLINE __m128i k4_scale_min(const uint8_t* blk) {
+  uint32_t u[3], v[4];
+  std::memcpy(u, blk + 4, 12);
+  v[0] = u[0] & 0x3f3f3f3f;
+  v[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+  v[2] = u[1] & 0x3f3f3f3f;
+  v[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+  return _mm_loadu_si128((const __m128i*)v);
+}
+
+RSMEM_INLINE void k4_const(const uint8_t* blk, WConst& w) {
+  const __m128i sm = k4_scale_min(blk);
+  w.d = f16(blk);
+  w.sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
+  const __m512 all = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm));
+  w.c = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_load_si512(kIdx.min16), all), _mm512_set1_ps(f16(blk + 2)));
+}
+
+// 32 bytes as 64 nibbles: the low nibbles in the low half, the high ones in the high half.
+RSMEM_INLINE __m512i nibbles64(const uint8_t* p) {
+  const __m256i b = _mm256_loadu_si256((const __m256i*)p);
+  const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+  return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+}
+
+template <>
+struct Int8<Q4_K> {
+  static RSMEM_INLINE void consts(const uint8_t* blk, WConst& w) { k4_const(blk, w); }
+  template <int C>
+  static RSMEM_INLINE __m512i chunk(const uint8_t* blk) {
+    return nibbles64(blk + 16 + 32 * C);
+  }
+  template <int C>
+  static RSMEM_INLINE __m512i scales(const WConst& w) {
+    return _mm512_permutexvar_epi16(_mm512_load_si512(kIdx.k4[C]), w.sc);
+  }
+};
+
+template <>
+struct Int8<Q5_K> {
+  static RSMEM_INLINE void consts(const uint8_t* blk, WConst& w) { k4_const(blk, w); }
+  template <int C>
+  static RSMEM_INLINE __m512i chunk(const uint8_t* blk) {
+    // fifth bits: bit 2C of qh[l] for the low half, bit 2C + 1 for the high half, moved to bit 4
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16));
+    const __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 1), 1);
+    __m512i moved;
+    if constexpr (2 * C <= 4) {
+      moved = _mm512_slli_epi16(hz, 4 - 2 * C);
+    } else {
+      moved = _mm512_srli_epi16(hz, 2 * C - 4);
+    }
+    const __m512i hi = _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
+    return _mm512_or_si512(nibbles64(blk + 48 + 32 * C), hi);
+  }
+  template <int C>
+  static RSMEM_INLINE __m512i scales(const WConst& w) {
+    return _mm512_permutexvar_epi16(_mm512_load_si512(kIdx.k4[C]), w.sc);
+  }
+};
+
+template <>
+struct Int8<Q6_K> {
+  static RSMEM_INLINE void consts(const uint8_t* blk, WConst& w) {
+    const __m128i sc = _mm_loadu_si128((const __m128i*)(blk + 192));
+    w.d = f16(blk + 208);
+    w.sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc));
+    w.c = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), _mm512_set1_ps(32.f * w.d));
+  }
+  template <int C>
+  static RSMEM_INLINE __m512i chunk(const uint8_t* blk) {
+    constexpr int n = C >> 1, t = C & 1;
+    const __m512i ql = _mm512_loadu_si512((const void*)(blk + 64 * n));
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * n));
+    const __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+    const __m512i lo = t ? _mm512_srli_epi16(ql, 4) : ql;
+    const __m512i hi = t ? _mm512_srli_epi16(hz, 4) : hz;
+    // (lo & 0x0F) | ((hi & 3) << 4) == (lo & 0x0F) | ((hi << 4) & 0x30): one ternary-logic select
+    const __m512i v = _mm512_ternarylogic_epi32(_mm512_set1_epi8(0x0F), lo, _mm512_slli_epi16(hi, 4), 0xCA);
+    return _mm512_and_si512(v, _mm512_set1_epi8(0x3F));
+  }
+  template <int C>
+  static RSMEM_INLINE __m512i scales(const WConst& w) {
+    return _mm512_permutexvar_epi16(_mm512_load_si512(kIdx.q6[C]), w.sc);
+  }
+};
+
+// Chunk C of one block: isum[r][m] += the int16 scales times the u8 x s8 pair sums.
+template <class T, int NR, int MR, int C>
+RSMEM_INLINE void chunk_dot(const uint8_t* wb, int64_t ldw, const ABlock* ab, int64_t lda, const WConst (&wc)[NR],
+                            __m512i (&isum)[NR][MR]) {
+  __m512i xv[MR];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) xv[m] = _mm512_load_si512((const void*)(ab[m * lda].q + 64 * C));
+  _Pragma("GCC unroll 16") for (int r = 0; r < NR; ++r) {
+    const __m512i q = Int8<T>::template chunk<C>(wb + r * ldw);
+    const __m512i s = Int8<T>::template scales<C>(wc[r]);
+    _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) isum[r][m] = _mm512_dpwssd_epi32(isum[r][m], _mm512_maddubs_epi16(q, xv[m]), s);
+  }
+}
+
+// y[m * ldy + r] for NR weight rows (stride ldw) and MR activation rows (stride lda blocks), nb blocks.
+template <class T, int NR, int MR>
+inline void tile(const uint8_t* w, int64_t ldw, int64_t nb, const ABlock* a, int64_t lda, float* y,
+                 int64_t ldy, int64_t prefetch_rows) {
+  using T8 = Int8<T>;
+  __m512 acc[NR][MR];
+  _Pragma("GCC unroll 16") for (int r = 0; r < NR; ++r)
+    _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+  const uint8_t* pf = w + prefetch_rows * ldw;
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    if (prefetch_rows)
+      for (int off = 0; off < NR * T::TS; off += 64) _mm_prefetch((const char*)(pf + ib * NR * T::TS + off), _MM_HINT_T0);
+    WConst wc[NR];
+    __m512i isum[NR][MR];
+    _Pragma("GCC unroll 16") for (int r = 0; r < NR; ++r) {
+      T8::consts(w + r * ldw + ib * T::TS, wc[r]);
+      _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) isum[r][m] = _mm512_setzero_si512();
+    }
+    const ABlock* ab = a + ib;
+    const uint8_t* wb = w + ib * T::TS;
+    chunk_dot<T, NR, MR, 0>(wb, ldw, ab, lda, wc, isum);
+    chunk_dot<T, NR, MR, 1>(wb, ldw, ab, lda, wc, isum);
+    chunk_dot<T, NR, MR, 2>(wb, ldw, ab, lda, wc, isum);
+    chunk_dot<T, NR, MR, 3>(wb, ldw, ab, lda, wc, isum);
+    _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) {
+      const float dx = ab[m * lda].d;
+      const __m512 bs = _mm512_load_ps(ab[m * lda].bsum);
+      _Pragma("GCC unroll 16") for (int r = 0; r < NR; ++r) {
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][m]), _mm512_set1_ps(wc[r].d * dx), acc[r][m]);
+        acc[r][m] = _mm512_fnmadd_ps(wc[r].c, bs, acc[r][m]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 16") for (int r = 0; r < NR; ++r)
+    _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) y[m * ldy + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// All M activation rows against NR weight rows, in tiles of MR rows.
+template <class T, int NR, int MR>
+void rows_all_m(const uint8_t* w, int64_t ldw, int64_t nb, const ABlock* a, int64_t M, float* y, int64_t N,
+                int64_t pf) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile<T, NR, MR>(w, ldw, nb, a + m * nb, nb, y + m * N, N, pf);
+  const ABlock* am = a + m * nb;
+  float* ym = y + m * N;
+  switch (M - m) {
+    case 3: tile<T, NR, 3>(w, ldw, nb, am, nb, ym, N, pf); break;
+    case 2: tile<T, NR, 2>(w, ldw, nb, am, nb, ym, N, pf); break;
+    case 1: tile<T, NR, 1>(w, ldw, nb, am, nb, ym, N, pf); break;
+    default: break;
+  }
+}
+
+template <class T, int NR, int MR>
+void matmul_nr(const ABlock* a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t nb = K / T::BS, ldw = nb * T::TS;
+  const int64_t groups = (N + NR - 1) / NR;
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, ldw * NR * std::max<int64_t>(1, M / 8)));
+  const int64_t pf = M <= 8 ? 2 * NR : 0;  // stream the weights ahead when each group is short work
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * NR;
+      if (n0 + NR <= N) {
+        rows_all_m<T, NR, MR>(w + n0 * ldw, ldw, nb, a, M, y + n0, N, g + 2 < g1 ? pf : 0);
+      } else {
+        for (int64_t n = n0; n < N; ++n) rows_all_m<T, 1, MR>(w + n * ldw, ldw, nb, a, M, y + n, N, 0);
+      }
+    }
+  });
+}
+
+// y = x @ W^T with x quantized to 8 bits per block of 256 (once per product).
+template <class T>
+void matmul(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t nb = K / 256;
+  at::Tensor buf = at::empty({static_cast<int64_t>(M * nb * sizeof(ABlock) + 64)}, at::kByte);
+  const uintptr_t raw = reinterpret_cast<uintptr_t>(buf.data_ptr<uint8_t>());
+  ABlock* a = reinterpret_cast<ABlock*>((raw + 63) & ~static_cast<uintptr_t>(63));
+  quantize_rows(x, M, K, a);
+  if (M == 1) {
+    matmul_nr<T, 4, 1>(a, w, y, M, N, K);
+  } else if (M == 2) {
+    matmul_nr<T, 4, 2>(a, w, y, M, N, K);
+  } else {
+    matmul_nr<T, 2, 4>(a, w, y, M, N, K);
+  }
+}
+
+}  // namespace i8
+}  // namespace rsmem
+#endif

@@ -1,0 +1,109 @@
+"""The int8 route of rsmem::qmatmul (route 3: K-quant weights, activations quantized as llama.cpp's Q8_K,
+VNNI dot products) against its twin: the Q8_K-quantized activations times the dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_quant_kernels import (
+    INT8_MAX_M,
+    INT8_TYPES,
+    Q,
+    assert_int8_close,
+    q8k_activations,
+    random_blocks,
+)
+
+from rsmem.kernels import build, dequantize_rows, qmatmul
+
+
+@pytest.fixture
+def ops():
+    ops = build.native_ops()
+    if ops is None:
+        pytest.skip(f"kernels not built here: {build.build_error()}")
+    if "vnni" not in ops.isa():
+        pytest.skip("no AVX512-VNNI here: no int8 route")
+    return ops
+
+
+def varied_activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """Rows whose 256-value blocks differ in magnitude by up to 1e4 (one scale per block, not per row), one
+    block all zeros (its scale 0), and a block with one large outlier."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    mags = 10.0 ** torch.randint(-2, 3, (m, k // 256), generator=g).float()
+    x = (x.view(m, -1, 256) * mags.unsqueeze(-1)).view(m, k)
+    x[0, :256] = 0.0
+    if k >= 512:
+        x[-1, 300] = 1e3
+    return x
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+def test_int8_route_matches_its_twin(ops, qtype: Q) -> None:
+    """Every tile shape the route has (groups of 4 weight rows and single rows; 1, 2, then 4 activation
+    rows at a time and the rest), K of one to eight blocks: within 1e-6 of sum |x w| of the twin (a wrong
+    nibble, fifth bit, scale or min order is off by more than 1e-2 of it)."""
+    for n, m, k in (
+        (1, 1, 256),
+        (4, 1, 512),
+        (37, 1, 768),
+        (6, 2, 256),
+        (9, 3, 1024),
+        (131, 5, 768),
+        (20, 8, 2048),
+        (33, 11, 512),
+        (5, 16, 256),
+    ):
+        blocks = random_blocks(qtype, n, k, seed=n + m)
+        x = varied_activations(m, k, seed=n * m)
+        y = ops.qmatmul(x, blocks, int(qtype), k, 3)
+        assert y.shape == (m, n)
+        assert_int8_close(y, x, blocks, qtype, k)
+        assert bool(torch.isfinite(y).all())
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+def test_twin_bound_detects_a_wrong_layout(qtype: Q) -> None:
+    """The twin's bound fails for weights read in another order: the assertion the route passes is not
+    trivially loose (here, values shuffled within each block)."""
+    n, k = 8, 512
+    blocks = random_blocks(qtype, n, k, seed=3)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3))
+    w = dequantize_rows(blocks, qtype, k).view(n, -1, 256)
+    shuffled = w.flip(-1).reshape(n, k)  # the same values, in another order within each block
+    y = (q8k_activations(x) @ shuffled.double().T).float()
+    with pytest.raises(AssertionError, match="int8 route error"):
+        assert_int8_close(y, x, blocks, qtype, k)
+
+
+def test_default_route_by_rows(ops) -> None:
+    """rsmem::qmatmul takes the int8 route for K-quants up to INT8_MAX_M rows (the same floats as route 3)
+    and not beyond; Q8_0 and Q4_0 have no int8 route (a forced route 3 is refused)."""
+    blocks = random_blocks(Q.Q4_K, 12, 512, seed=1)
+    for m in (1, INT8_MAX_M):
+        x = torch.randn(m, 512)
+        assert torch.equal(qmatmul(x, blocks, Q.Q4_K, 512), ops.qmatmul(x, blocks, int(Q.Q4_K), 512, 3))
+    x = torch.randn(INT8_MAX_M + 1, 512)
+    assert not torch.equal(qmatmul(x, blocks, Q.Q4_K, 512), ops.qmatmul(x, blocks, int(Q.Q4_K), 512, 3))
+    for qtype in (Q.Q8_0, Q.Q4_0):
+        with pytest.raises(ValueError, match="route 3"):
+            ops.qmatmul(torch.randn(1, 256), random_blocks(qtype, 2, 256), int(qtype), 256, 3)
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+def test_threads_give_the_same_floats(ops, qtype: Q) -> None:
+    """Outputs split over threads by weight rows: each output is computed the same way whatever the split
+    (and the activations are quantized once, before it)."""
+    blocks = random_blocks(qtype, 1001, 768, seed=7)
+    x = torch.randn(3, 768)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.qmatmul(x, blocks, int(qtype), 768, 3)
+        torch.set_num_threads(2)
+        two = ops.qmatmul(x, blocks, int(qtype), 768, 3)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
