@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["delta_rule", "delta_rule_chunked", "delta_rule_ref", "delta_rule_step", "l2_norm"]
+__all__ = [
+    "delta_rule",
+    "delta_rule_chunked",
+    "delta_rule_ref",
+    "delta_rule_step",
+    "l2_norm",
+    "unit_lower_inverse",
+]
 
 CHUNK = 64  # llama.cpp's and transformers' chunk size
 
@@ -62,6 +69,24 @@ def delta_rule_ref(
     return torch.stack(outs, dim=1), state
 
 
+def unit_lower_inverse(a: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """``(I + a)^-1`` of strictly lower-triangular ``a`` ``[..., C, C]``: forward substitution inside
+    ``block``-sized diagonal blocks (vectorised over the batch), then block forward substitution with
+    matrix products. (torch's batched ``solve_triangular`` took 15x as long on 256 matrices of 64.)"""
+    size = a.shape[-1]
+    b = min(block, size)
+    out = torch.zeros_like(a)
+    for lo in range(0, size, b):
+        hi = min(lo + b, size)
+        t = -a[..., lo:hi, lo:hi]  # a copy: the rows below are rewritten
+        for i in range(1, hi - lo):
+            t[..., i, :i] = t[..., i, :i] + (t[..., i, :i, None] * t[..., :i, :i]).sum(-2)
+        out[..., lo:hi, lo:hi] = t + torch.eye(hi - lo, dtype=a.dtype, device=a.device)
+        if lo:  # rows lo..hi of the inverse left of the block: -T_ii sum_k L_ik T_kj
+            out[..., lo:hi, :lo] = -out[..., lo:hi, lo:hi] @ (a[..., lo:hi, :lo] @ out[..., :lo, :lo])
+    return out
+
+
 def delta_rule_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -75,12 +100,18 @@ def delta_rule_chunked(
     place to the state after the last token. Returns ``o`` ``[Bs, L, H, dv]``.
 
     Per chunk (positions ``i``, ``j``; ``c`` the cumulative log decay inside the chunk): ``A[i, j] =
-    beta_i (k_i . k_j) exp(c_i - c_j)`` for ``j < i``; ``T = (I + A)^-1`` (a unit lower-triangular solve);
+    beta_i (k_i . k_j) exp(c_i - c_j)`` for ``j < i``; ``T = (I + A)^-1`` (:func:`unit_lower_inverse`);
     ``u = T (beta v)``, ``w = T (beta exp(c) k)``; then, with ``S`` the state before the chunk,
     ``v' = u - w S^T``, ``o = exp(c) q S^T + (q k^T * exp(c_i - c_j), j <= i) v'`` and
-    ``S = exp(c_last) S + v'^T (exp(c_last - c) k)``."""
+    ``S = exp(c_last) S + v'^T (exp(c_last - c) k)``.
+
+    ``c`` and every decay factor are computed in float64 (then rounded to ``q``'s dtype): ``c_i - c_j`` of
+    float32 sums loses the digits a strongly decaying head needs (on the Qwen3.5 fixture model the logits
+    moved 2.2e-5 from the token-by-token form's; with the float64 decays 1e-6, as the whole computation
+    in float64)."""
     n_seqs, n_tokens, n_head, _ = k.shape
     dv = v.shape[-1]
+    dtype = q.dtype
     size = max(1, min(chunk, n_tokens))
     pad = (-n_tokens) % size
     n_chunks = (n_tokens + pad) // size
@@ -92,27 +123,25 @@ def delta_rule_chunked(
         return t.reshape(n_seqs, n_head, n_chunks, size, *t.shape[3:])
 
     qc, kc, vc = chunks(q), chunks(k), chunks(v)
-    gc, bc = chunks(g).cumsum(-1), chunks(beta)  # [Bs, H, n, C]
+    gc, bc = chunks(g.to(torch.float64)).cumsum(-1), chunks(beta)  # [Bs, H, n, C]
     lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-    diff = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~lower, float("-inf"))
-    decay = diff.exp()  # exp(c_i - c_j) for j <= i, else 0
+    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp().to(dtype)
+    g_exp = gc.exp().to(dtype).unsqueeze(-1)  # exp(c): [Bs, H, n, C, 1]
+    g_tail = (gc[..., -1:] - gc).exp().to(dtype).unsqueeze(-1)  # exp(c_last - c)
+    g_last = gc[..., -1].exp().to(dtype)[..., None, None]  # exp(c_last): [Bs, H, n, 1, 1]
     k_beta = kc * bc.unsqueeze(-1)
-    a = (k_beta @ kc.transpose(-1, -2)) * decay
-    eye = torch.eye(size, dtype=q.dtype, device=q.device)
-    lhs = a.masked_fill(~lower, 0.0).tril(-1) + eye
-    t_inv = torch.linalg.solve_triangular(lhs, eye.expand_as(lhs), upper=False, unitriangular=True)
+    t_inv = unit_lower_inverse(((k_beta @ kc.transpose(-1, -2)) * decay).tril(-1))
     u = t_inv @ (vc * bc.unsqueeze(-1))  # [Bs, H, n, C, dv]
-    w = t_inv @ (k_beta * gc.exp().unsqueeze(-1))  # [Bs, H, n, C, dk]
+    w = t_inv @ (k_beta * g_exp)  # [Bs, H, n, C, dk]
     qk = (qc @ kc.transpose(-1, -2)) * decay  # [Bs, H, n, C, C]
-    q_decayed = qc * gc.exp().unsqueeze(-1)
-    s_t = state.transpose(-1, -2).to(q.dtype)  # [Bs, H, dk, dv]
+    q_decayed = qc * g_exp
+    k_tail = (kc * g_tail).transpose(-1, -2)  # [Bs, H, n, dk, C]
+    s_t = state.transpose(-1, -2).to(dtype)  # [Bs, H, dk, dv]
     out = q.new_empty(n_seqs, n_head, n_chunks, size, dv)
     for c in range(n_chunks):
         v_new = u[:, :, c] - w[:, :, c] @ s_t  # [Bs, H, C, dv]
         out[:, :, c] = q_decayed[:, :, c] @ s_t + qk[:, :, c] @ v_new
-        g_last = gc[:, :, c, -1:]  # [Bs, H, 1]
-        k_tail = kc[:, :, c] * (g_last - gc[:, :, c]).exp().unsqueeze(-1)  # [Bs, H, C, dk]
-        s_t = s_t * g_last.exp().unsqueeze(-1) + k_tail.transpose(-1, -2) @ v_new
+        s_t = s_t * g_last[:, :, c] + k_tail[:, :, c] @ v_new
     state.copy_(s_t.transpose(-1, -2))
     return out.reshape(n_seqs, n_head, n_chunks * size, dv)[:, :, :n_tokens].transpose(1, 2)
 
@@ -125,17 +154,9 @@ def delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> torch.Tensor:
-    """The micro-batch's outputs ``[Bs, L, H, dv]`` (float32), ``state`` updated in place: one token per
-    sequence as a step of all sequences at once, longer runs chunked in float64.
-
-    Why float64: the chunked form's rounding in float32 reaches the logits of the Qwen3.5 fixture model
-    (tests/fixtures/llamacpp/qwen35) at 4.4e-5 from a float64 forward, as transformers' float32 chunked
-    form does (4.6e-5); token by token in float32 it is 2.6e-5, chunked in float64 2.7e-5 (1.4e-5 from
-    llama.cpp's logits). Its cost was 10% of the chunked form's time (32 heads of 128, 512 tokens)."""
+    """The micro-batch's outputs ``[Bs, L, H, dv]``, ``state`` updated in place: one token per sequence as a
+    step of all sequences at once (:func:`delta_rule_step`), longer runs chunked
+    (:func:`delta_rule_chunked`)."""
     if q.shape[1] == 1:
         return delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state).unsqueeze(1)
-    f64 = torch.float64
-    work = state.to(f64)
-    out = delta_rule_chunked(q.to(f64), k.to(f64), v.to(f64), g.to(f64), beta.to(f64), work)
-    state.copy_(work)
-    return out.to(torch.float32)
+    return delta_rule_chunked(q, k, v, g, beta, state)
