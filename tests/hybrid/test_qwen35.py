@@ -20,6 +20,7 @@ import torch
 import rsmem
 from rsmem import Batch, Context
 from rsmem.engine import Engine, SamplingParams
+from rsmem.errors import StateFormatError
 from rsmem.memory import hybrid_state
 from rsmem.memory.hybrid import HybridMemory
 from rsmem.models.ops.delta_net import delta_rule_chunked, delta_rule_ref, l2_norm, unit_lower_inverse
@@ -242,3 +243,39 @@ def test_unit_lower_inverse(size: int) -> None:
     a = torch.randn(3, 2, size, size, dtype=torch.float64).tril(-1) * 0.3
     eye = torch.eye(size, dtype=torch.float64)
     assert (unit_lower_inverse(a) - torch.linalg.inv(eye + a)).abs().max().item() < 1e-9
+
+
+def test_seq_add_rotates_the_stored_keys(model) -> None:
+    """Positions moved by seq_add (llama.cpp asserts on it for M-RoPE; rsmem re-rotates the keys with NeoX
+    RoPE over n_rot, llama.cpp's K-shift for these models): the continuation equals a fresh sequence that
+    saw the prompt at the moved positions."""
+    ctx = _ctx(model)
+    ctx.decode(Batch(PROMPT))
+    ctx.memory.seq_add(0, 0, -1, 5)
+    ctx.decode(Batch(CONT, pos=[17, 18, 19], logits=[True] * 3))
+    fresh = _ctx(model)
+    fresh.decode(Batch(PROMPT, pos=list(range(5, 17))))
+    fresh.decode(Batch(CONT, pos=[17, 18, 19], logits=[True] * 3))
+    _close(ctx.logits, fresh.logits, 1e-5)
+    blob = hybrid_state.seq_blob(ctx.memory, 0)
+    assert struct.unpack_from("<iIiii", blob, 16) == (5, 1, 5, 5, PROMPT[0])  # ext x, y follow the position
+
+
+def test_corrupt_states_are_refused_with_the_memory_untouched(model) -> None:
+    blob = bytearray((FIXTURES / "state-seq0-f32.bin").read_bytes())
+    ctx = _ctx(model)
+    ctx.decode(Batch(PROMPT[:4], seq_ids=[[1]] * 4))
+    before = ctx.memory.state_write(-1)
+    bad = (
+        [blob[:n] for n in (4, 12, 30, 300, 320, 2000, 3420, 8000, len(blob) - 1)]
+        + [
+            blob + b"\0",
+            blob[:20] + struct.pack("<I", 2) + blob[24:],  # a cell listing two seq ids
+            blob[:3428] + struct.pack("<I", 5) + blob[3432:],  # five model layers
+        ]
+    )
+    for data in bad:
+        with pytest.raises(StateFormatError):
+            hybrid_state.load_seq_blob(ctx.memory, bytes(data), 0)
+        assert ctx.memory.state_write(-1) == before
+        ctx.memory.check_invariants()
