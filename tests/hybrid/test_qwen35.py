@@ -21,7 +21,7 @@ import rsmem
 from rsmem import Batch, Context
 from rsmem.engine import Engine, SamplingParams
 from rsmem.errors import StateFormatError
-from rsmem.memory import hybrid_state
+from rsmem.memory import checkpoint, hybrid_state
 from rsmem.memory.hybrid import HybridMemory
 from rsmem.models.ops.delta_net import delta_rule_chunked, delta_rule_ref, l2_norm, unit_lower_inverse
 from rsmem.models.qwen35 import Qwen35Model
@@ -279,3 +279,40 @@ def test_corrupt_states_are_refused_with_the_memory_untouched(model) -> None:
             hybrid_state.load_seq_blob(ctx.memory, bytes(data), 0)
         assert ctx.memory.state_write(-1) == before
         ctx.memory.check_invariants()
+
+
+def test_rollback_after_one_token_decodes_is_exact(model) -> None:
+    """Cuts llama.cpp b11312 gets wrong (one-token decodes after the batch, the whole last batches cut)
+    equal a fresh sequence fed the kept tokens: the replay runs the delta nets and reads the KV cache."""
+    ctx = _ctx(model, n_rs_seq=3)
+    ctx.decode(Batch(PROMPT))
+    ctx.decode(Batch([30]))
+    ctx.decode(Batch([31]))
+    assert ctx.memory.seq_rm(0, 12, -1) is True
+    ctx.decode(Batch([21], logits=[True]))
+    fresh = _ctx(model)
+    fresh.decode(Batch([*PROMPT, 21]))
+    _close(ctx.logits, fresh.logits, 1e-5)
+    ctx.memory.check_invariants()
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_a_restored_checkpoint_continues_as_a_fresh_sequence(model, unified: bool) -> None:
+    """A prefix-cache checkpoint (delta-net rows plus the KV prefix) restored into its own sequence after it
+    moved on and into another one continues as a fresh sequence fed the same tokens."""
+    prompt = [(1 + 7 * k) % 300 for k in range(70)]
+    ctx = Context(model, n_seq_max=3, n_ctx=768, kv_unified=unified, n_ubatch=32)
+    ctx.decode(Batch(prompt))
+    ckpt = checkpoint.take(ctx.memory, 0)
+    assert ckpt is not None and ckpt.kv is not None
+    ctx.decode(Batch([50, 51, 52], seq_ids=[[0]] * 3))  # sequence 0 moves on
+    fresh = _ctx(model, n_ubatch=32)  # the same chunks: this model's rounding shows another chunking's
+    fresh.decode(Batch(prompt))
+    for dest in (0, 2):
+        checkpoint.restore(ctx.memory, ckpt, dest)
+    ctx.memory.check_invariants()
+    for tok in CONT:  # one sequence a step, as the fresh one: several rows take other products, whose
+        fresh.decode(Batch([tok]))  # rounding this model amplifies to a few 1e-5
+        for dest in (0, 2):
+            ctx.decode(Batch([tok], seq_ids=[[dest]]))
+            _close(ctx.get_logits(-1), fresh.get_logits(-1), 1e-6)
