@@ -1,6 +1,6 @@
-"""The compiled one-sequence decode steps of RWKV-7 and RWKV-6 (ops.wkv_fused under torch.compile) against
-the eager models: the same logits and the same state rows, token by token; half-precision state rows
-decode eagerly."""
+"""The compiled decode steps of RWKV-7 and RWKV-6 against the eager models: one sequence (ops.wkv_fused)
+and several (ops.wkv_many, with a dynamic batch) under torch.compile give the same logits and the same
+state rows, token by token; half-precision state rows decode eagerly."""
 
 from __future__ import annotations
 
@@ -66,11 +66,12 @@ def state_rows(blob: bytes, n_embd: int = 128, head_size: int = 64, n_layer: int
 
 
 @pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")
-def test_compiled_batched_rwkv7_decode_matches_eager() -> None:
-    """Several sequences (the packed products eagerly, the glue compiled with a dynamic batch): logits and
-    state rows as the eager path, at two batch sizes, with only some sequences asking for logits."""
-    eager = rsmem.load_model(FIXTURES / "rwkv7" / "model-f32.gguf", compile=False)
-    compiled = rsmem.load_model(FIXTURES / "rwkv7" / "model-f32.gguf", compile=True)
+@pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
+def test_compiled_batched_decode_matches_eager(arch: str) -> None:
+    """Several sequences (one compiled call a step, the packed products inside it, a dynamic batch): logits
+    and state rows as the eager path, at two batch sizes, with only some sequences asking for logits."""
+    eager = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=False)
+    compiled = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=True)
     contexts = [Context(m, n_seq_max=5) for m in (eager, compiled)]
     prompts = [[t + s for t in PROMPT] for s in range(5)]  # different per sequence, so the rows differ
     for ctx in contexts:

@@ -14,7 +14,9 @@ the WKV recurrence with the bonus ``u`` (:mod:`rsmem.models.ops.wkv6`), a per-he
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +25,9 @@ from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompiledStep
 from rsmem.models.ops.wkv6 import wkv6_chunked_, wkv6_step_
 from rsmem.models.ops.wkv_fused import N6_PER_LAYER, RWKV6_FIELDS, rwkv6_token_one_
+from rsmem.models.ops.wkv_many import rwkv6_token_many_
 from rsmem.models.protocol import StateAccess
-from rsmem.models.rwkv_base import GROUP_NORM_EPS, RwkvModelBase, state_args, token_shift
+from rsmem.models.rwkv_base import GROUP_NORM_EPS, RwkvModelBase, batch_args, state_args, token_shift
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,9 +111,14 @@ class Rwkv6Model(RwkvModelBase):
         # args: x, emb_norm, emb_norm_b, norm_f, norm_f_b, lm_head, eps, n_head, rescale, then per
         # layer N6_PER_LAYER tensors ending with the shift rows and the WKV state (written)
         self._token_one = CompiledStep(rwkv6_token_one_, mutated=state_args(9, N6_PER_LAYER))
+        self._token_many = CompiledStep(
+            rwkv6_token_many_,
+            batch_args=batch_args(9, N6_PER_LAYER, self.n_layer),
+            mutated=state_args(9, N6_PER_LAYER),
+        )
 
-    def step_fields(self, ly: Rwkv6Layer) -> list[torch.Tensor]:
-        return [getattr(ly, n).t() if n in self.matrices else getattr(ly, n) for n in RWKV6_FIELDS]
+    def step_fields(self, ly: Rwkv6Layer, operand: Callable[[torch.Tensor], Any]) -> list[Any]:
+        return [operand(getattr(ly, n)) if n in self.matrices else getattr(ly, n) for n in RWKV6_FIELDS]
 
     def step_consts(self) -> tuple[float | int, ...]:
         cfg = self.config
@@ -122,10 +130,13 @@ class Rwkv6Model(RwkvModelBase):
         tokens = ubatch.token_tensor()  # [Bs, L]
         n_seqs = tokens.shape[0]
         c = cfg.d_model
-        if self.compile_decode and tokens.numel() == 1:
-            logits = self.decode_one(tokens[0], states)
+        if self.compile_decode and tokens.shape[1] == 1:
+            if n_seqs == 1:
+                logits = self.decode_one(tokens[0], states)
+            else:
+                logits = self.decode_many(tokens[:, 0], states)
             if logits is not None:
-                return logits[: len(ubatch.output_rows())]
+                return self.output_logits(logits, ubatch)
         x = F.layer_norm(self.embedding[tokens], (c,), self.emb_norm, self.emb_norm_b, cfg.eps)
         for il, ly in enumerate(self.layers):
             r_rows, s_rows = states.read_states(il)

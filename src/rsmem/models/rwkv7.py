@@ -14,6 +14,7 @@ The channel mix: one lerp, ``relu(key x)^2``, value.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -23,16 +24,17 @@ import torch.nn.functional as F
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompiledStep
 from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_step_
-from rsmem.models.ops.wkv_fused import (
-    N_PER_LAYER,
-    RWKV7_FIELDS,
-    rwkv7_ffn_in_,
-    rwkv7_mix_,
-    rwkv7_token_one_,
-    rwkv7_wkv_,
-)
+from rsmem.models.ops.wkv_fused import N_PER_LAYER, RWKV7_FIELDS, rwkv7_token_one_
+from rsmem.models.ops.wkv_many import rwkv7_token_many_
 from rsmem.models.protocol import StateAccess
-from rsmem.models.rwkv_base import GROUP_NORM_EPS, HeldMatrices, RwkvModelBase, state_args, token_shift
+from rsmem.models.rwkv_base import (
+    GROUP_NORM_EPS,
+    HeldMatrices,
+    RwkvModelBase,
+    batch_args,
+    state_args,
+    token_shift,
+)
 
 if TYPE_CHECKING:
     from rsmem.models.arwkv7 import Arwkv7Layer
@@ -128,18 +130,19 @@ class Rwkv7Model(RwkvModelBase):
         # args: x, emb_norm, emb_norm_b, norm_f, norm_f_b, lm_head, eps, n_head, then per layer
         # N_PER_LAYER tensors ending with the shift rows and the WKV state (written)
         self._token_one = CompiledStep(rwkv7_token_one_, mutated=state_args(8, N_PER_LAYER))
-        # several sequences: the glue between the packed products (see _decode_batch)
-        self._mix = CompiledStep(rwkv7_mix_, batch_args=(0, 1, 2), mutated=(2,))
-        self._wkv = CompiledStep(rwkv7_wkv_, batch_args=tuple(range(9)), mutated=(8,))
-        self._ffn_in = CompiledStep(rwkv7_ffn_in_, batch_args=(0, 1, 2), mutated=(2,))
+        self._token_many = CompiledStep(
+            rwkv7_token_many_,
+            batch_args=batch_args(8, N_PER_LAYER, self.n_layer),
+            mutated=state_args(8, N_PER_LAYER),
+        )
 
-    def step_fields(self, ly: Rwkv7Layer) -> list[torch.Tensor]:
+    def step_fields(self, ly: Rwkv7Layer, operand: Callable[[torch.Tensor], Any]) -> list[Any]:
         fields = []
         for name in RWKV7_FIELDS:
             t = getattr(ly, name)
             if t is None:  # the first layer's unused value-residual mix
                 t = {"v0": ly.a0, "v1": ly.a1, "v2": ly.a2}[name]
-            fields.append(t.t() if name in self.matrices else t)
+            fields.append(operand(t) if name in self.matrices else t)
         return fields
 
     def step_consts(self) -> tuple[float | int, ...]:
@@ -155,9 +158,9 @@ class Rwkv7Model(RwkvModelBase):
             if n_seqs == 1:
                 logits = self.decode_one(tokens[0], states)
             else:
-                logits = self._decode_batch(tokens[:, 0], ubatch, states)
+                logits = self.decode_many(tokens[:, 0], states)
             if logits is not None:
-                return logits[: len(ubatch.output_rows())]
+                return self.output_logits(logits, ubatch)
         x = F.layer_norm(self.embedding[tokens], (c,), self.emb_norm, self.emb_norm_b, cfg.eps)
         v_first: torch.Tensor | None = None
         for il, ly in enumerate(self.layers):
@@ -172,41 +175,6 @@ class Rwkv7Model(RwkvModelBase):
             x = x + self.channel_mix(ly, f, token_shift(f, shift[:, 1]))
             states.write_states(il, torch.stack([h[:, -1], f[:, -1]], dim=1), wkv)
         return self.head(x, ubatch)
-
-    def _decode_batch(self, tokens: torch.Tensor, ubatch: UBatch, states: StateAccess) -> torch.Tensor | None:
-        """One token of each of several sequences (``tokens`` ``[Bs]``): the packed products eagerly, the
-        rest through the compiled glue of :mod:`~rsmem.models.ops.wkv_fused`; None (nothing read) when the
-        state rows are not float32."""
-        cfg = self.config
-        rows = self.float32_rows(states, self.n_layer)
-        if rows is None:
-            return None
-        n_seqs, c = tokens.shape[0], cfg.d_model
-        x = F.layer_norm(self.embedding[tokens], (c,), self.emb_norm, self.emb_norm_b, cfg.eps)
-        ffn_out = torch.zeros_like(x)
-        v_first: torch.Tensor | None = None
-        linear = self.held.linear
-        for il, (ly, (r_rows, s_rows)) in enumerate(zip(self.layers, rows, strict=True)):
-            shift = r_rows.view(n_seqs, 2, c)
-            wkv = s_rows.view(n_seqs, cfg.n_head, cfg.head_size, cfg.head_size)
-            x, xr, xw, xk, xv, xa, xg = self._mix(
-                x, ffn_out, shift, ly.attn_norm, ly.attn_norm_b, ly.lerp, cfg.eps
-            )
-            r, k, v = linear(xr, ly.receptance), linear(xk, ly.key), linear(xv, ly.value)
-            if v_first is None:  # the first layer: its own values make the value-residual mix exactly v
-                v_first = v
-            v0, v1, v2 = (ly.a0, ly.a1, ly.a2) if ly.v0 is None else (ly.v0, ly.v1, ly.v2)
-            y = self._wkv(
-                xw, xv, xa, xg, r, k, v, v_first, wkv, ly.w0, ly.w1, ly.w2, ly.a0, ly.a1, ly.a2, v0, v1, v2,
-                ly.g1, ly.g2, ly.k_k, ly.k_a, ly.r_k, ly.ln_x, ly.ln_x_b,
-            )  # fmt: skip
-            x, xk = self._ffn_in(
-                x, linear(y, ly.output), shift, ly.ffn_norm, ly.ffn_norm_b, ly.ffn_lerp_k, cfg.eps
-            )
-            kf = linear(xk, ly.ffn_key)
-            ffn_out = linear(torch.relu_(kf).square_(), ly.ffn_value)
-            states.write_states(il, shift, wkv)
-        return self.head(x + ffn_out, ubatch)
 
     def time_mix(
         self,

@@ -3,8 +3,9 @@ them (big matrices through :class:`HeldMatrices`, everything else float32), the 
 the one-sequence decode step through one compiled function, and the final norm and head.
 
 A subclass names its layer class (``layer_cls``) and ``matrices``, makes its compiled steps
-(:meth:`~RwkvModelBase.make_compiled_steps`: at least ``_token_one``) and says how the step reads a layer
-(:meth:`~RwkvModelBase.step_fields`, :meth:`~RwkvModelBase.step_consts`).
+(:meth:`~RwkvModelBase.make_compiled_steps`: ``_token_one``, one sequence's token, and ``_token_many``, one
+token of each of several) and says how the steps read a layer (:meth:`~RwkvModelBase.step_fields`,
+:meth:`~RwkvModelBase.step_consts`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
+from rsmem.models.ops.fused import Packed, RowsOperand
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.protocol import StateAccess
@@ -97,9 +99,18 @@ def vector(t: torch.Tensor | None) -> torch.Tensor:
 
 
 def state_args(n_fixed: int, per_layer: int) -> Callable[[int], bool]:
-    """The arguments a one-sequence step writes: after ``n_fixed`` leading ones, the last two of each
-    layer's ``per_layer`` (its token-shift rows and WKV state)."""
+    """The arguments a decode step writes: after ``n_fixed`` leading ones, the last two of each layer's
+    ``per_layer`` (its token-shift rows and WKV state)."""
     return lambda i: i >= n_fixed and (i - n_fixed) % per_layer >= per_layer - 2
+
+
+def batch_args(n_fixed: int, per_layer: int, n_layer: int) -> tuple[int, ...]:
+    """The arguments of a several-sequence step whose dimension 0 is the batch: the embedding rows (the
+    first) and every layer's state rows (see :func:`state_args`)."""
+    return (
+        0,
+        *(n_fixed + il * per_layer + k for il in range(n_layer) for k in (per_layer - 2, per_layer - 1)),
+    )
 
 
 class RwkvModelBase:
@@ -110,6 +121,7 @@ class RwkvModelBase:
     matrices: ClassVar[tuple[str, ...]]  # the layer fields held in ``dtype`` as [in, out]
     layer_cls: ClassVar[type[Any]]  # a dataclass of the layer's tensors
     _token_one: CompiledStep[torch.Tensor]
+    _token_many: CompiledStep[torch.Tensor]
 
     def __init__(
         self,
@@ -166,15 +178,26 @@ class RwkvModelBase:
         self.compile_decode = decided and self._rows_contiguous
         if self.compile_decode and not self._steps_made:
             self.make_compiled_steps()
+            # each layer's weights as the steps take them (made once: building them costs ~1 ms a step)
+            self._fields_one = [self.step_fields(ly, torch.Tensor.t) for ly in self.layers]
+            self._fields_many = [self.step_fields(ly, self.rows_operand) for ly in self.layers]
+            self._head_many = self.rows_operand(self.lm_head)
             self._steps_made = True
         return self.compile_decode
+
+    def rows_operand(self, weight_t: torch.Tensor) -> RowsOperand:
+        """A held ``[in, out]`` matrix as :func:`~rsmem.models.ops.fused.matmul_rows` takes it for several
+        rows: its oneDNN packed twin when it has one, else the ``[out, in]`` view."""
+        packed = self.held.packed.twin(weight_t)
+        return Packed(packed) if packed is not None else weight_t.t()
 
     def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         """The protocol's forward (the subclasses')."""
         raise NotImplementedError
 
     def make_compiled_steps(self) -> None:
-        """Create the compiled steps (``_token_one``: one sequence's whole token)."""
+        """Create the compiled steps (``_token_one``: one sequence's whole token; ``_token_many``: one token
+        of each of several sequences)."""
         raise NotImplementedError
 
     def warm_up(self) -> float:
@@ -191,8 +214,9 @@ class RwkvModelBase:
         Context(self, n_seq_max=2).decode(Batch([1, 2], seq_ids=[[0], [1]], logits=[True, True]))
         return time.perf_counter() - started
 
-    def step_fields(self, ly: Any) -> list[torch.Tensor]:
-        """The layer's tensors in the order the one-sequence step takes them."""
+    def step_fields(self, ly: Any, operand: Callable[[torch.Tensor], Any]) -> list[Any]:
+        """The layer's tensors in the order the steps take them, each of :attr:`matrices` as ``operand``
+        gives it (``[out, in]`` for one sequence, :meth:`rows_operand` for several)."""
         raise NotImplementedError
 
     def step_consts(self) -> tuple[float | int, ...]:
@@ -211,22 +235,48 @@ class RwkvModelBase:
     def decode_one(self, token: torch.Tensor, states: StateAccess) -> torch.Tensor | None:
         """One token of one sequence through the compiled step; None (nothing written) when the state rows
         are not float32."""
+        return self._decode_compiled(self._token_one, self._fields_one, self.lm_head.t(), token, states)
+
+    def decode_many(self, tokens: torch.Tensor, states: StateAccess) -> torch.Tensor | None:
+        """One token of each of several sequences (``tokens`` ``[Bs]``) through the compiled step; None
+        (nothing written) when the state rows are not float32."""
+        return self._decode_compiled(self._token_many, self._fields_many, self._head_many, tokens, states)
+
+    def _decode_compiled(
+        self,
+        step: CompiledStep[torch.Tensor],
+        fields: list[list[Any]],
+        lm_head: Any,
+        tokens: torch.Tensor,
+        states: StateAccess,
+    ) -> torch.Tensor | None:
+        """Logits ``[Bs, n_vocab]`` of ``step`` on one token of each sequence (``tokens`` ``[Bs]``), with
+        each layer's ``fields`` and its state rows, which it updates."""
         cfg = self.config
         rows = self.float32_rows(states, self.n_layer)
         if rows is None:
             return None
-        flat: list[torch.Tensor] = []
-        for ly, (r, s) in zip(self.layers, rows, strict=True):
-            flat += self.step_fields(ly)
-            flat += [r.view(1, 2, cfg.d_model), s.view(1, cfg.n_head, cfg.head_size, cfg.head_size)]
-        logits = self._token_one(
-            self.embedding[token], self.emb_norm, self.emb_norm_b, self.norm_f, self.norm_f_b,
-            self.lm_head.t(), *self.step_consts(), *flat,
-        )  # fmt: skip
+        n_seqs = tokens.shape[0]
+        flat: list[Any] = []
+        for ly_fields, (r, s) in zip(fields, rows, strict=True):
+            flat += ly_fields
+            flat += [r.view(n_seqs, 2, cfg.d_model), s.view(n_seqs, cfg.n_head, cfg.head_size, cfg.head_size)]
+        x = self.embedding[tokens]
+        logits = step(
+            x, self.emb_norm, self.emb_norm_b, self.norm_f, self.norm_f_b, lm_head, *self.step_consts(), *flat
+        )
         per_layer = len(flat) // self.n_layer
         for il in range(self.n_layer):
             states.write_states(il, flat[(il + 1) * per_layer - 2], flat[(il + 1) * per_layer - 1])
         return logits
+
+    @staticmethod
+    def output_logits(logits: torch.Tensor, ubatch: UBatch) -> torch.Tensor:
+        """The rows of a decode step's logits (one a sequence) that the micro-batch wants."""
+        rows = ubatch.output_rows()
+        if len(rows) == logits.shape[0]:
+            return logits
+        return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
 
     def head(self, x: torch.Tensor, ubatch: UBatch) -> torch.Tensor:
         """Logits of the micro-batch's output rows of ``x``: final norm, LM head."""

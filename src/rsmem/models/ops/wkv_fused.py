@@ -7,8 +7,7 @@ token's embedding row ``[1, C]``; ``flat`` holds, per layer, the :data:`RWKV7_FI
 layer's unused ``v0, v1, v2`` may be any tensors of their shapes) followed by its token-shift rows
 ``[1, 2, C]`` and WKV state ``[1, H, N, N]``, both updated in place. Returns the logits ``[1, n_vocab]``.
 
-Several sequences: :func:`rwkv7_mix_`, :func:`rwkv7_wkv_` and :func:`rwkv7_ffn_in_`, the glue between a
-layer's packed products (run eagerly), compiled with a dynamic batch. ``rwkv6_token_one_``: RWKV-6's step.
+``rwkv6_token_one_``: RWKV-6's step. Several sequences: :mod:`rsmem.models.ops.wkv_many`.
 """
 
 from __future__ import annotations
@@ -87,93 +86,6 @@ def rwkv7_token_one_(
         shift[:, 0].copy_(h)
         shift[:, 1].copy_(f)
     return gemv(F.layer_norm(x, (c,), norm_f, norm_f_b, eps), lm_head)
-
-
-# ------------------------------------------------------------------------------ RWKV-7, several sequences
-# Batched decode runs the big products eagerly (oneDNN's packed matrices) and everything between them as
-# three compiled functions a layer, with a dynamic batch (dimension 0 of ``x``, ``shift``, ``wkv``, ...):
-# rwkv7_mix_ -> r, k, v products -> rwkv7_wkv_ -> output product -> rwkv7_ffn_in_ -> key product, relu^2
-# -> value product -> the next layer's rwkv7_mix_ (which adds it to the residual).
-
-
-def rwkv7_mix_(
-    x: torch.Tensor,
-    ffn_out: torch.Tensor,
-    shift: torch.Tensor,
-    attn_norm: torch.Tensor,
-    attn_norm_b: torch.Tensor,
-    lerp: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, ...]:
-    """The residual ``x + ffn_out`` ``[Bs, C]`` and the time mix's six lerps ``xr, xw, xk, xv, xa, xg``
-    ``[Bs, C]`` of its norm with the shift row, which it then writes (``shift`` ``[Bs, 2, C]``, row 0)."""
-    c = x.shape[-1]
-    x = x + ffn_out
-    h = F.layer_norm(x, (c,), attn_norm, attn_norm_b, eps)
-    sx = shift[:, 0] - h
-    mixes = tuple(h + sx * lerp[i] for i in range(6))
-    shift[:, 0].copy_(h)
-    return (x, *mixes)
-
-
-def rwkv7_wkv_(
-    xw: torch.Tensor,
-    xv: torch.Tensor,
-    xa: torch.Tensor,
-    xg: torch.Tensor,
-    r: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    v_first: torch.Tensor,
-    wkv: torch.Tensor,
-    *t: torch.Tensor,
-) -> torch.Tensor:
-    """The time mix between its input products and its output: the mixes ``xw, xv, xa, xg`` and ``r, k,
-    v`` ``[Bs, C]`` (products of ``xr, xk, xv``), ``v_first`` the first layer's values (the first layer
-    passes its own ``v``: the value-residual mix is then exactly ``v``), ``wkv`` ``[Bs, H, V, K]`` updated
-    in place; ``t`` the layer's ``w0, w1, w2, a0, a1, a2, v0, v1, v2, g1, g2, k_k, k_a, r_k, ln_x,
-    ln_x_b``. Returns the gated ``y`` ``[Bs, C]``."""
-    w0, w1, w2, a0, a1, a2, v0, v1, v2, g1, g2, k_k, k_a, r_k, ln_x, ln_x_b = t
-    n_seqs, n_head, n, _ = wkv.shape
-    c = n_head * n
-    w = torch.exp(-DECAY_SCALE * torch.sigmoid(w0 + F.linear(torch.tanh(F.linear(xw, w1)), w2)))
-    v = v + (v_first - v) * torch.sigmoid(v0 + F.linear(F.linear(xv, v1), v2))
-    a = torch.sigmoid(a0 + F.linear(F.linear(xa, a1), a2))
-    g = F.linear(torch.sigmoid(F.linear(xg, g1)), g2)
-    kk = F.normalize((k * k_k).view(n_seqs, n_head, n), dim=-1, p=2.0, eps=1e-12)
-    k = k * (1 + (a - 1) * k_a)
-    heads = (n_seqs, n_head, n)
-    rh, kh, vh, wh = r.view(heads), k.view(heads), v.view(heads), w.view(heads)
-    b = kk * a.view(heads)
-    # both reductions read the old state (y = S (w r) + sa (b . r) + v (k . r)): the new one is not read
-    # back (4.4 ms against 4.9 for the form that reads it, 64 sequences of the 130M model, one thread)
-    sa = (wkv * (-kk).unsqueeze(-2)).sum(-1)  # [Bs, H, V]
-    y = (wkv * (wh * rh).unsqueeze(-2)).sum(-1) + sa * (b * rh).sum(-1, keepdim=True)
-    y = y + vh * (kh * rh).sum(-1, keepdim=True)
-    new = wkv * wh.unsqueeze(-2) + sa.unsqueeze(-1) * b.unsqueeze(-2) + vh.unsqueeze(-1) * kh.unsqueeze(-2)
-    wkv.copy_(new)
-    y = F.group_norm(y.reshape(n_seqs, c), n_head, ln_x, ln_x_b, GROUP_NORM_EPS).view(heads)
-    y = y + (rh * kh * r_k.view(n_head, n)).sum(-1, keepdim=True) * vh
-    return y.reshape(n_seqs, c) * g
-
-
-def rwkv7_ffn_in_(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    shift: torch.Tensor,
-    ffn_norm: torch.Tensor,
-    ffn_norm_b: torch.Tensor,
-    ffn_lerp_k: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual ``x + out`` (the time mix's output) and the channel mix's lerp of its norm with the
-    shift row, which it then writes (``shift`` row 1)."""
-    c = x.shape[-1]
-    x = x + out
-    f = F.layer_norm(x, (c,), ffn_norm, ffn_norm_b, eps)
-    xk = f + (shift[:, 1] - f) * ffn_lerp_k
-    shift[:, 1].copy_(f)
-    return x, xk
 
 
 # ---------------------------------------------------------------------------------------------- RWKV-6
