@@ -9,7 +9,7 @@ import torch
 from rsmem import Context
 from rsmem.engine import Engine, SamplingParams
 from rsmem.engine.request import Completion, Phase, Request
-from rsmem.engine.scheduler import StepCost, plan_step
+from rsmem.engine.scheduler import StepCost, plan_step, step_caps
 from rsmem.models import Mamba2Config
 from rsmem.models.random_init import random_mamba2
 
@@ -144,3 +144,35 @@ def test_a_short_prompt_behind_a_long_one_prefills_first_and_generates_as_alone(
     rid = alone.add_request([3, 4, 5], greedy)
     expected = next(o for o in alone.run_until_done() if o.finished and o.request_id == rid)
     assert outputs[short_id] == expected.outputs[0].token_ids
+
+
+def test_learnt_caps_give_way_to_the_ceiling_while_requests_wait_for_a_sequence():
+    """A saturated engine (requests queued for a sequence) runs prompts in large chunks: the queued
+    requests wait on throughput, and every small chunk pays the prompt path's fixed cost."""
+    cost = StepCost(floor=16, ceiling=512)
+    for _ in range(20):
+        cost.observe(4, 0.004)
+        cost.observe(128, 0.004 + 128 * 0.0002)  # cap: 20 tokens
+    assert step_caps(None, cost) == (20, StepCost.ALONE * 20)
+    assert step_caps(None, cost, queued=True) == (512, 512)
+    assert step_caps(8, cost, queued=True) == (8, None)  # a cap set by hand holds
+
+    cfg = Mamba2Config(d_model=32, n_layer=2, n_vocab=64, d_state=8, n_head=4, n_group=2, chunk_size=4)
+    model = random_mamba2(cfg, seed=3)
+    sizes: dict[int, list[int]] = {}
+    for n_requests in (1, 2):
+        engine = Engine(Context(model, n_seq_max=1, n_batch=256, n_ubatch=256))
+        for _ in range(20):  # a fixed cost worth 10 tokens: cap 32 (the floor), alone 128
+            engine.step_cost.observe(2, 0.010)
+            engine.step_cost.observe(200, 0.010 + 200 * 0.001)
+        engine.step_cost.observe = lambda n_tokens, seconds: None  # type: ignore[method-assign]
+        for _ in range(n_requests):
+            engine.add_request([(5 * k) % 64 for k in range(600)], SamplingParams.greedy(max_tokens=1))
+        seen = sizes.setdefault(n_requests, [])
+        while engine.has_unfinished:
+            before = engine.stats.prompt_tokens
+            engine.step()
+            seen.append(engine.stats.prompt_tokens - before)
+    assert sizes[1][0] == StepCost.ALONE * 32  # alone, nobody waiting: the learnt bound
+    assert sizes[2][:2] == [256, 256]  # the second request waits for the only sequence: the budget
+    assert sizes[2] == [256, 256, 88, 128, 128, 128, 128, 88]  # then the second alone: the learnt bound

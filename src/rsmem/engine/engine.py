@@ -79,7 +79,8 @@ class Engine:
         ``cache_disk_bytes``), and found again by an engine started later (``engine/cache_dir.py``).
         ``prefill_cap``: the most prompt tokens one prompt gets in a step while other requests run (see
         ``scheduler.plan_step``): None learns it from the steps' costs (and then also bounds a lone
-        prompt's steps, ``StepCost.alone_cap``), 0 lets a prompt take the whole budget."""
+        prompt's steps, ``StepCost.alone_cap``; while requests wait for a sequence, ``StepCost.ceiling``
+        bounds both, see ``scheduler.step_caps``), 0 lets a prompt take the whole budget."""
         self.ctx = context
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens or context.n_batch
@@ -250,7 +251,7 @@ class Engine:
         for ``KeyboardInterrupt`` and the like, after failing the interrupted batch's requests.
         """
         self._admit()
-        cap, alone = step_caps(self.prefill_cap, self.step_cost)
+        cap, alone = step_caps(self.prefill_cap, self.step_cost, queued=bool(self.waiting))
         captures = self.reuse.captures
         plan = plan_step(
             self.running, self.max_batch_tokens, cap, alone_cap=alone, cut_at_checkpoints=not captures

@@ -140,11 +140,19 @@ class StepCost:
         return min(self.ceiling, self.ALONE * self.prefill_cap())
 
 
-def step_caps(setting: int | None, cost: StepCost) -> tuple[int | None, int | None]:
+def step_caps(setting: int | None, cost: StepCost, *, queued: bool = False) -> tuple[int | None, int | None]:
     """The ``prefill_cap`` and ``alone_cap`` of :func:`plan_step` for an engine's setting: learnt ones
-    (None) bound both; a cap set by hand (0: none) leaves a lone prompt the budget."""
+    (None) bound both; a cap set by hand (0: none) leaves a lone prompt the budget.
+
+    While requests are ``queued`` (they wait for a sequence: the engine is saturated), learnt caps give
+    way to ``cost.ceiling``: the queued requests' first tokens wait on throughput, and each chunk pays
+    the prompt path's fixed cost (on a small model several decode steps' worth), so small chunks cost
+    them more than they save the running decodes. A new request cannot start before a sequence frees,
+    so nobody waits on a long step the way a short prompt beside a long one would."""
     if setting is not None:
         return setting, None
+    if queued:
+        return cost.ceiling, cost.ceiling
     return cost.prefill_cap(), cost.alone_cap()
 
 
