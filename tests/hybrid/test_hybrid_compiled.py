@@ -1,7 +1,7 @@
 """The hybrids' compiled decode steps (models/ops/hybrid_fused.py through models/compiled.py) give the
-eager path's logits and states: one sequence (a compiled chain per stretch between attention layers,
-attention's KV part eager: models/hybrid_decode.py) and several (Nemotron-H's Mamba-2 mixer between packed
-products), after a prompt, with a fork."""
+eager path's logits and states: one sequence and several (a compiled chain per stretch between attention
+layers, attention's KV part eager: models/hybrid_decode.py; several sequences' chains with the packed
+products and a dynamic batch), after a prompt, with a fork, with and without output rows."""
 
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ def test_compiled_decode_matches_eager(arch: str) -> None:
         got = _run(model, True)
     assert model.compile_decode
     chains = model._chains.steps  # the one-sequence chains: one per distinct stretch of layers
-    steps = chains + [v for v in vars(model).values() if isinstance(v, CompiledStep)]
-    assert len(chains) >= 2 and all(s._checked and s.failed is None for s in chains)
-    assert all(s.failed is None for s in steps)
+    many = model._chains_many.steps  # several sequences' (widths 3 and 2 share each)
+    steps = chains + many + [v for v in vars(model).values() if isinstance(v, CompiledStep)]
+    assert len(chains) >= 2 and len(many) == len(chains)
+    assert all(s._checked and s.failed is None for s in steps)
     assert [t.shape for t in got] == [t.shape for t in eager]
     assert got[-2].shape[0] == 0  # the step without an output row gives none
     for a, b in zip(got, eager, strict=True):

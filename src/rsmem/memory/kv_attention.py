@@ -4,7 +4,11 @@ A model's attention layer hands its queries, keys and values for the micro-batch
 :meth:`KVCacheContext.attention`: the keys and values are stored in the cells ``apply`` placed, then each
 token attends to the cells of its own sequence (its first seq id) at positions up to its own (llama.cpp's
 causal KQ mask), through ``torch.nn.functional.scaled_dot_product_attention`` with that boolean mask.
-Tokens of each stream the micro-batch touches are one batch row of the product.
+Tokens of each stream the micro-batch touches are one batch row of the product, over the stream's cells up
+to the last used one; when each token sees few of them (a decode step of several sequences in one unified
+stream: each sees its own cells, a fraction of the stream), each token is a batch row of its own over the
+K/V rows of its visible cells, gathered (:func:`gathered_cells`), so the work is that of the cells each
+sequence holds, not of all the sequences' cells.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class KVCacheContext:
         self._i = 0
         self._mask: torch.Tensor | None = None
         self._index: torch.Tensor | None = None
+        self._compact: tuple[Gathered | None] | None = None  # (gathered_cells of the micro-batch,)
 
     @property
     def ubatch(self) -> UBatch:
@@ -52,12 +57,12 @@ class KVCacheContext:
         if self._i == 0:
             self.cache.update()
         self.cache.apply_ubatch(self.sinfo, self.ubatch)
-        self._mask = self._index = None
+        self._mask = self._index = self._compact = None
         return True
 
     def next(self) -> bool:
         self._i += 1
-        self._mask = self._index = None
+        self._mask = self._index = self._compact = None
         return self._i < len(self.ubatches)
 
     # ------------------------------------------------------------ attention
@@ -143,6 +148,9 @@ class KVCacheContext:
             part is not None
         ):  # the slice's rows of the mask, still grouped (a slice takes columns of each set)
             mask = mask.reshape(-1, n_kv)[part.to(mask.device)].view(n_groups, -1, n_kv)
+        compact = self._gathered() if part is None else gathered_cells(mask, self._stream_rows())
+        if compact is not None:
+            return self._attend_gathered(il, q, compact, scale, n_head_kv, d_v)
         n = mask.shape[1]
         keys, values = self._streams(self.cache.k_l[il], n_kv), self._streams(self.cache.v_l[il], n_kv)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
@@ -153,6 +161,70 @@ class KVCacheContext:
             queries, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=n_head != n_head_kv
         )  # [G, H, n, d_v]
         return out.transpose(1, 2).reshape(n_groups * n, n_head * d_v)
+
+    # ------------------------------------------------ attention over gathered cells
+
+    def _stream_rows(self) -> torch.Tensor:
+        """Flat row of cell 0 of each group's stream (``stream * size``), ``[n_groups]``."""
+        size = self.cache.size
+        return torch.tensor([st * size for st, _ in self.sinfo.groups], dtype=torch.long)
+
+    def _gathered(self) -> Gathered | None:
+        """:func:`gathered_cells` of the whole micro-batch's mask, built once per micro-batch."""
+        if self._compact is None:
+            found = gathered_cells(self.mask(), self._stream_rows())
+            self._compact = (found,)
+        return self._compact[0]
+
+    def _attend_gathered(
+        self, il: int, q: torch.Tensor, compact: Gathered, scale: float, n_head_kv: int, d_v: int
+    ) -> torch.Tensor:
+        """Each token over the K/V rows of its own visible cells only (``compact``): one batch row a token."""
+        index, valid = compact
+        n_rows, width = index.shape
+        n_head, d_k = q.shape[1], q.shape[2]
+        k_all, v_all = self.cache.k_l[il], self.cache.v_l[il]
+        flat = index.view(-1).to(k_all.device)
+        keys = k_all.view(-1, k_all.shape[-1]).index_select(0, flat).to(q.dtype)
+        values = v_all.view(-1, v_all.shape[-1]).index_select(0, flat).to(q.dtype)
+        keys = keys.view(n_rows, width, n_head_kv, d_k).transpose(1, 2)  # [T, Hkv, W, d_k]
+        values = values.view(n_rows, width, n_head_kv, d_v).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.reshape(n_rows, n_head, 1, d_k),
+            keys,
+            values,
+            attn_mask=valid.to(q.device)[:, None, None, :],
+            scale=scale,
+            enable_gqa=n_head != n_head_kv,
+        )  # [T, H, 1, d_v]
+        return out.reshape(n_rows, n_head * d_v)
+
+
+Gathered = tuple[torch.Tensor, torch.Tensor]  # flat K/V row of each token's visible cells, and validity
+
+
+def gathered_cells(mask: torch.Tensor, stream_rows: torch.Tensor) -> Gathered | None:
+    """For a mask ``[G, n, n_kv]`` whose tokens each see few of the cells read (several sequences of one
+    stream, one token each: a batched decode step over a unified cache), each token's visible cells as
+    flat K/V rows ``[G * n, W]`` (``stream_rows[g] + cell``, padded) and their validity ``[G * n, W]``,
+    ``W`` the most any token sees. None when the gathered rows would not be at most half of those read
+    (attention over the stream as it is is then as cheap), or with one token a group."""
+    n_groups, n, n_kv = mask.shape
+    if n < 2 or n_kv < 2:
+        return None
+    counts = mask.sum(-1).view(-1)  # [G * n]
+    width = int(counts.max())
+    if width == 0 or 2 * width > n_kv:
+        return None
+    g, t, j = mask.cpu().nonzero(as_tuple=True)  # row-major: each token's cells in cell order
+    row = g * n + t
+    starts = torch.cumsum(counts, 0) - counts
+    col = torch.arange(row.numel()) - starts[row]
+    index = torch.zeros(n_groups * n, width, dtype=torch.long)
+    valid = torch.zeros(n_groups * n, width, dtype=torch.bool)
+    index[row, col] = stream_rows[g] + j
+    valid[row, col] = True
+    return index, valid
 
 
 def attend_stored(

@@ -234,15 +234,28 @@ class KVCells:
 
 def visible(cells: KVCells, n_kv: int, seqs: list[int], pos: list[int], device: torch.device) -> torch.Tensor:
     """``[len(seqs), n_kv]`` bool: the token of sequence ``seqs[t]`` at position ``pos[t]`` may attend to
-    cell ``j`` (it holds that sequence at a position not after the token's): llama.cpp's causal KQ mask."""
+    cell ``j`` (it holds that sequence at a position not after the token's): llama.cpp's causal KQ mask.
+    Membership comes from the cells' bit masks, 64 sequences a word (one word up to sequence 63)."""
     cell_pos = torch.tensor(cells.pos[:n_kv], dtype=torch.long)
     tok_pos = torch.tensor(pos, dtype=torch.long)
-    if max(seqs, default=0) < 63:
-        bits = torch.tensor(cells.bits[:n_kv], dtype=torch.long)
-        member = (bits[None, :] >> torch.tensor(seqs, dtype=torch.long)[:, None]) & 1 == 1
-    else:  # bit masks beyond int64: one row per distinct sequence
-        rows = {
-            s: torch.tensor([s in cells.seqs[j] for j in range(n_kv)], dtype=torch.bool) for s in set(seqs)
-        }
-        member = torch.stack([rows[s] for s in seqs]) if seqs else torch.zeros(0, n_kv, dtype=torch.bool)
+    seq_t = torch.tensor(seqs, dtype=torch.long)
+    words = max(seqs, default=0) // 64 + 1
+    member = torch.zeros(len(seqs), n_kv, dtype=torch.bool)
+    for w in range(words):
+        mine = seq_t // 64 == w
+        if not bool(mine.any()):
+            continue
+        bits = _word_tensor(cells.bits[:n_kv], w)
+        member[mine] = (bits[None, :] >> (seq_t[mine] % 64)[:, None]) & 1 == 1
     return (member & (cell_pos[None, :] >= 0) & (cell_pos[None, :] <= tok_pos[:, None])).to(device)
+
+
+def _word_tensor(bits: list[int], w: int) -> torch.Tensor:
+    """Bits ``64 w .. 64 w + 63`` of each mask as a signed int64 (bit 63 the sign: ``>>`` then keeps it)."""
+    if w == 0:
+        try:
+            return torch.tensor(bits, dtype=torch.long)  # no sequence past 62 in these cells
+        except (OverflowError, RuntimeError, ValueError):
+            pass
+    words = [(b >> (64 * w)) & ((1 << 64) - 1) for b in bits]
+    return torch.tensor([x - (1 << 64) if x >= 1 << 63 else x for x in words], dtype=torch.long)

@@ -1,24 +1,31 @@
-"""A hybrid model's one-sequence decode step as compiled chains (:func:`.ops.hybrid_fused.chain`).
+"""A hybrid model's decode step as compiled chains (:func:`.ops.hybrid_fused.chain`).
 
 The step is a list of layer steps: :class:`Step` (a block of :mod:`rsmem.models.ops.hybrid_fused` with its
 tensors) and :class:`AttentionStep` (an attention layer: its q/k/v part ends a chain, the KV cache's store
 and attention run eagerly, its output part starts the next chain). So a token costs one compiled call per
 stretch between attention layers plus the head's, instead of one per layer: each call costs tens of
-microseconds in dynamo's guards and Python before its kernels run. Chains of the same blocks (the
+microseconds in dynamo's guards and Python before its kernels run, and eagerly the glue between the
+products is a dozen small ops a layer, each a parallel region of its own. Chains of the same blocks (the
 repeating stretches of a layer pattern) share one compilation; each is checked before first use
 (:class:`~rsmem.models.compiled.CompiledStep`, eager fallback).
+
+:class:`Chains` comes in two kinds: one sequence (``many=False``: ``*_one`` blocks, static shapes) and one
+token of each of several sequences (``many=True``: ``*_many`` blocks with packed products, the batch
+dimension of the residual, the state rows, attention's output and the RoPE tables dynamic, so every width
+of two or more shares one compilation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
 from rsmem.models.compiled import CompiledStep
-from rsmem.models.ops.hybrid_fused import ATTN_IN_TENSORS, Block, chain
+from rsmem.models.ops.fused import gemv, matmul_rows
+from rsmem.models.ops.hybrid_fused import ATTN_IN_BATCH, ATTN_IN_TENSORS, Block, chain
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
@@ -26,7 +33,7 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.
 @dataclass(slots=True)
 class Step:
     block: Block
-    tensors: tuple[torch.Tensor | None, ...]
+    tensors: tuple[Any, ...]  # tensors, Packed matrices, None for absent ones
 
 
 @dataclass(slots=True)
@@ -35,30 +42,38 @@ class AttentionStep:
     n_head_kv, eps); after attention, ``out`` runs on ``(x, o, *out_tensors)``."""
 
     il: int
-    attn_in: tuple[torch.Tensor | None, ...]
+    attn_in: tuple[Any, ...]
     consts: tuple[int, int, float]
     scale: float
     out: Block
-    out_tensors: tuple[torch.Tensor | None, ...]
+    out_tensors: tuple[Any, ...]
 
 
 class Chains:
-    """The compiled chains of one model, by their blocks."""
+    """The compiled chains of one model, by their blocks: for one sequence, or (``many``) for one token of
+    each of several sequences."""
 
-    def __init__(self) -> None:
+    def __init__(self, many: bool = False) -> None:
+        self.many = many
         self._steps: dict[tuple[object, ...], CompiledStep[object]] = {}
 
     def _step(
-        self, blocks: tuple[Block, ...], tail: str, consts: tuple[float | int, ...]
+        self, blocks: tuple[Block, ...], tail: str, consts: tuple[float | int, ...], args: tuple[Any, ...]
     ) -> CompiledStep[object]:
-        key = (blocks, tail, consts)
+        key = (blocks, tail, consts, tuple(a is None for a in args))
         found = self._steps.get(key)
         if found is None:
-            mutated, at = [], 1  # argument 0 is x
+            mutated, batch, at = [], [0], 1  # argument 0 is x
             for b in blocks:
                 mutated += [at + m for m in b.mutated]
+                batch += [at + m for m in (*b.mutated, *b.batch)]
                 at += b.n
-            found = CompiledStep(chain(blocks, tail, consts), mutated=tuple(mutated))
+            if tail == "attn_in":
+                batch += [at + i for i in ATTN_IN_BATCH if isinstance(args[at + i], torch.Tensor)]
+            product = matmul_rows if self.many else gemv
+            fn = chain(blocks, tail, consts, product)
+            batch_args = tuple(batch) if self.many else ()
+            found = CompiledStep(fn, batch_args=batch_args, mutated=tuple(mutated))
             self._steps[key] = found
         return found
 
@@ -70,24 +85,28 @@ class Chains:
         self,
         x: torch.Tensor,
         layers: Sequence[Step | AttentionStep],
-        head: tuple[torch.Tensor, torch.Tensor],
+        tail: str,
+        tail_tensors: tuple[Any, ...],
         eps: float,
         attend: Attend,
     ) -> torch.Tensor:
-        """The token's logits from the residual ``x`` ``[1, d_model]``: the layer steps, then the head
-        (``norm_f``, ``lm_head`` rows); ``attend(il, q, k, v, scale)`` is the KV cache's part."""
+        """The layer steps on the residual ``x`` ``[Bs, d_model]``, then ``tail``: ``"head"`` (``norm_f``,
+        the head) gives the logits, ``"norm"`` (``norm_f``) the normed rows; ``attend(il, q, k, v,
+        scale)`` is the KV cache's part."""
         blocks: list[Block] = []
-        flat: list[torch.Tensor | None] = []
+        flat: list[Any] = []
         for st in layers:
             if isinstance(st, Step):
                 blocks.append(st.block)
                 flat += st.tensors
                 continue
             assert len(st.attn_in) == ATTN_IN_TENSORS
-            out = self._step(tuple(blocks), "attn_in", st.consts)(x, *flat, *st.attn_in)
+            args = (x, *flat, *st.attn_in)
+            out = self._step(tuple(blocks), "attn_in", st.consts, args)(*args)
             x, q, k, v = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], out)
             o = attend(st.il, q, k, v, st.scale)
             blocks, flat = [st.out], [o, *st.out_tensors]
-        logits = self._step(tuple(blocks), "head", (eps,))(x, *flat, *head)
-        assert isinstance(logits, torch.Tensor)
-        return logits
+        args = (x, *flat, *tail_tensors)
+        result = self._step(tuple(blocks), tail, (eps,), args)(*args)
+        assert isinstance(result, torch.Tensor)
+        return result

@@ -7,10 +7,11 @@ RMS-normed q and k per head and NeoX RoPE over the whole head, its keys and valu
 the last layer: RMS norm (``token_embd_norm`` in the GGUF) and the LM head.
 
 Matrices are held as :mod:`rsmem.models.hybrid_layers` says (oneDNN twins; gate and up one product). A
-one-sequence decode step runs through ``torch.compile`` when the model compiles
+decode step (one token of each sequence) runs through ``torch.compile`` when the model compiles
 (:mod:`rsmem.models.compiled`'s policy and checked fallback): one compiled chain of blocks
 (:mod:`rsmem.models.ops.hybrid_fused`) per stretch between attention layers
-(:mod:`rsmem.models.hybrid_decode`); everything else is eager.
+(:mod:`rsmem.models.hybrid_decode`), one sequence's streaming ``[out, in]`` rows, several sequences' with
+the packed twins and a dynamic batch; prefill is eager.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from rsmem.models.hybrid_decode import AttentionStep, Chains, Step
 from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, RopeTables, hold_all, rope_neox
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
-from rsmem.models.ops.hybrid_fused import Block, lfm2_attn_out_one, lfm2_conv_one_
+from rsmem.models.ops.fused import Packed, RowsOperand
+from rsmem.models.ops.hybrid_fused import (
+    Block,
+    lfm2_attn_out_many,
+    lfm2_attn_out_one,
+    lfm2_conv_many_,
+    lfm2_conv_one_,
+)
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.protocol import StateAccess
 
@@ -176,11 +184,15 @@ class Lfm2Model:
             eps = self.config.eps
             self._conv = Block(lfm2_conv_one_, 8, (eps,), mutated=(7,))  # its window is written
             self._attn_out = Block(lfm2_attn_out_one, 5, (eps,))  # o, wo, ffn_norm, gate_up, down
-            self._chains = Chains()
+            self._conv_many = Block(lfm2_conv_many_, 8, (eps,), mutated=(7,))
+            self._attn_out_many = Block(lfm2_attn_out_many, 5, (eps,), batch=(0,))  # o: one row a sequence
+            self._chains = Chains()  # one sequence
+            self._chains_many = Chains(many=True)  # one token of each of several
         return self.compile_decode
 
     def warm_up(self) -> float:
-        """Compile the one-sequence step now on a scratch memory; the seconds it took (0: not compiling)."""
+        """Compile the decode steps (one sequence, several) now on a scratch memory; the seconds it took (0:
+        not compiling)."""
         if not self.compile_decode:
             return 0.0
         from rsmem.batch.batch import Batch  # here: rsmem.context imports the models package
@@ -188,6 +200,7 @@ class Lfm2Model:
 
         started = time.perf_counter()
         Context(self, n_ctx=256).decode(Batch([1]))
+        Context(self, n_seq_max=2, n_ctx=512).decode(Batch([1, 1], seq_ids=[[0], [1]]))
         return time.perf_counter() - started
 
     def rope(self, ubatch: UBatch) -> RopeTables | None:
@@ -201,8 +214,8 @@ class Lfm2Model:
         cfg = self.config
         tokens = ubatch.token_tensor()  # [Bs, L]
         n_seqs, n_tokens = tokens.shape
-        if self.compile_decode and n_seqs == 1 and n_tokens == 1:
-            logits = self._decode_one(tokens[0], ubatch, hybrid)
+        if self.compile_decode and n_tokens == 1:
+            logits = self._decode(tokens[:, 0], ubatch, hybrid)
             if logits is not None:
                 return logits
         rope = self.rope(ubatch)
@@ -232,38 +245,53 @@ class Lfm2Model:
         states.write_states(il, work, s)
         return self.held.linear(y, ly.conv_out)
 
-    def _decode_one(self, token: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
-        """One token of one sequence as compiled chains between the attention layers
-        (:mod:`rsmem.models.hybrid_decode`); None (nothing read) when the state rows are not float32."""
+    def _decode(self, tokens: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
+        """One token of each sequence (``tokens`` ``[Bs]``) as compiled chains between the attention layers
+        (:mod:`rsmem.models.hybrid_decode`: one sequence's blocks stream ``[out, in]`` rows, several
+        sequences' use the packed twins); None (nothing read) when the state rows are not float32."""
         cfg = self.config
         rows = {il: states.read_states(il) for il in range(self.n_layer) if self.is_recurrent_layer(il)}
         if any(r.dtype != torch.float32 for r, _ in rows.values()):
             return None  # decoded eagerly: reading the rows again is harmless
+        n_seqs = tokens.shape[0]
+        many = n_seqs > 1
+        mat = self._rows_operand if many else out_in
+        conv_block, out_block = (
+            (self._conv_many, self._attn_out_many) if many else (self._conv, self._attn_out)
+        )
         rope = self.rope(ubatch)
         cos, sin = rope if rope is not None else (None, None)
-        windows = {il: r.view(1, cfg.d_model, cfg.l_cache - 1) for il, (r, _) in rows.items()}
+        windows = {il: r.view(n_seqs, cfg.d_model, cfg.l_cache - 1) for il, (r, _) in rows.items()}
         steps: list[Step | AttentionStep] = []
         for il, ly in enumerate(self.layers):
             att = ly.attention
             assert ly.gate_up is not None
-            ffn = (ly.ffn_norm, out_in(ly.gate_up), out_in(ly.ffn_down))
+            ffn = (ly.ffn_norm, mat(ly.gate_up), mat(ly.ffn_down))
             if att is not None:
                 assert att.wqkv_t is not None and att.wo_t is not None
-                attn_in = (ly.attn_norm, out_in(att.wqkv_t), att.q_norm, att.k_norm, cos, sin)
+                attn_in = (ly.attn_norm, mat(att.wqkv_t), att.q_norm, att.k_norm, cos, sin)
                 consts = (att.n_head, att.n_head_kv, cfg.eps)
-                steps.append(
-                    AttentionStep(il, attn_in, consts, att.scale, self._attn_out, (out_in(att.wo_t), *ffn))
-                )
+                steps.append(AttentionStep(il, attn_in, consts, att.scale, out_block, (mat(att.wo_t), *ffn)))
                 continue
             assert ly.conv is not None and ly.conv_in is not None and ly.conv_out is not None
-            conv = (ly.attn_norm, out_in(ly.conv_in), ly.conv, out_in(ly.conv_out))
-            steps.append(Step(self._conv, (*conv, *ffn, windows[il])))
+            conv = (ly.attn_norm, mat(ly.conv_in), ly.conv, mat(ly.conv_out))
+            steps.append(Step(conv_block, (*conv, *ffn, windows[il])))
 
         def attend(il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             return states.attention(il, q, k, v, scale, ubatch)
 
-        x = self.embedding[token]  # [1, d_model]
-        logits = self._chains.run(x, steps, (self.norm_f, out_in(self.lm_head)), cfg.eps, attend)
+        x = self.embedding[tokens]  # [Bs, d_model]
+        if many:
+            h = self._chains_many.run(x, steps, "norm", (self.norm_f,), cfg.eps, attend)
+            logits = self.held.linear(output_rows(h, ubatch.output_rows()), self.lm_head)
+        else:
+            logits = self._chains.run(x, steps, "head", (self.norm_f, out_in(self.lm_head)), cfg.eps, attend)
+            logits = logits[: len(ubatch.output_rows())]
         for il, window in windows.items():
             states.write_states(il, window, rows[il][1])
-        return logits[: len(ubatch.output_rows())]
+        return logits
+
+    def _rows_operand(self, weight_t: torch.Tensor) -> RowsOperand:
+        """A held matrix as several rows' products take it: its packed twin, else ``[out, in]``."""
+        packed = self.held.packed.twin(weight_t)
+        return Packed(packed) if packed is not None else out_in(weight_t)

@@ -7,10 +7,10 @@ unchanged), or a squared-ReLU MLP (no memory at all). Then RMS norm and the LM h
 from :mod:`rsmem.models.ops`.
 
 Matrices are held as :mod:`rsmem.models.hybrid_layers` says (oneDNN twins). When the model compiles, a
-one-sequence decode step is one compiled chain per stretch between attention layers
-(:mod:`rsmem.models.hybrid_decode`; Mamba-2's block from :mod:`rsmem.models.ops.fused`, the others from
-:mod:`rsmem.models.ops.hybrid_fused`), and several sequences run the Mamba-2 mixer between its packed
-products compiled, as Mamba-2 does.
+decode step (one token of each sequence) is one compiled chain per stretch between attention layers
+(:mod:`rsmem.models.hybrid_decode`; Mamba-2's blocks from :mod:`rsmem.models.ops.fused`, the others from
+:mod:`rsmem.models.ops.hybrid_fused`): one sequence's streaming ``[out, in]`` rows, several sequences'
+with the packed twins and a dynamic batch.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
-from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
+from rsmem.models.compiled import CompileSetting, resolve_compile
 from rsmem.models.hybrid_decode import AttentionStep, Chains, Step
 from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, hold_all
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
-from rsmem.models.ops.fused import mamba2_layer_one_, mamba2_mixer_step_
-from rsmem.models.ops.hybrid_fused import Block, attn_out_one, relu2_mlp_one
+from rsmem.models.ops.fused import Packed, RowsOperand, mamba2_layer_many_, mamba2_layer_one_
+from rsmem.models.ops.hybrid_fused import Block, attn_out_many, attn_out_one, relu2_mlp_many, relu2_mlp_one
 from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
 from rsmem.models.ops.ssd import ssd_chunked_
 from rsmem.models.protocol import StateAccess
@@ -195,7 +195,10 @@ class NemotronHModel:
             self._mlp = Block(relu2_mlp_one, 3, (cfg.eps,))
             self._attn_out = Block(attn_out_one, 2)  # o, wo
             self._chains = Chains()  # one sequence
-            self._mixer_step = CompiledStep(mamba2_mixer_step_, batch_args=(0, 1, 8), mutated=(1, 8))
+            self._mamba_many = Block(mamba2_layer_many_, 11, (cfg.n_group, cfg.eps), mutated=(9, 10))
+            self._mlp_many = Block(relu2_mlp_many, 3, (cfg.eps,))
+            self._attn_out_many = Block(attn_out_many, 2, batch=(0,))  # o: one row a sequence
+            self._chains_many = Chains(many=True)  # one token of each of several sequences
         return self.compile_decode
 
     def warm_up(self) -> float:
@@ -262,10 +265,10 @@ class NemotronHModel:
         return self.held.linear(y, mx.out_proj)
 
     def _decode(self, tokens: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
-        """One token of each sequence (``tokens`` ``[Bs]``): one sequence as compiled chains between the
-        attention layers (:mod:`rsmem.models.hybrid_decode`), several with the packed products eager and
-        the Mamba-2 mixer compiled; attention's KV part is eager. None (nothing read) when the state rows
-        are not float32."""
+        """One token of each sequence (``tokens`` ``[Bs]``) as compiled chains between the attention layers
+        (:mod:`rsmem.models.hybrid_decode`: one sequence's blocks stream ``[out, in]`` rows, several
+        sequences' use the packed twins); attention's KV part is eager. None (nothing read) when the state
+        rows are not float32."""
         cfg = self.config
         rows = {il: states.read_states(il) for il in range(self.n_layer) if self.is_recurrent_layer(il)}
         if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows.values()):
@@ -278,74 +281,51 @@ class NemotronHModel:
             )
             for il, (r, s) in rows.items()
         }
-        x = self.embedding[tokens]  # [Bs, d_model]
-        if n_seqs == 1:
-            logits = self._decode_one(x, ubatch, states, views)
+        many = n_seqs > 1
+        mat = self._rows_operand if many else out_in
+        if many:
+            mamba, mlp, attn_out = self._mamba_many, self._mlp_many, self._attn_out_many
         else:
-            logits = self._decode_batch(x, ubatch, states, views)
-        for il, (window, h) in views.items():
-            states.write_states(il, window, h)
-        return logits
-
-    def _decode_one(
-        self,
-        x: torch.Tensor,
-        ubatch: UBatch,
-        states: HybridStates,
-        views: dict[int, tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        cfg = self.config
+            mamba, mlp, attn_out = self._mamba, self._mlp, self._attn_out
         steps: list[Step | AttentionStep] = []
         for il, ly in enumerate(self.layers):
             if ly.mixer is not None:
                 mx = ly.mixer
                 tensors = (
-                    ly.norm, mx.in_proj.t(), mx.conv_weight, mx.conv_bias, mx.dt_bias, mx.A, mx.D,
-                    mx.ssm_norm, mx.out_proj.t(), *views[il],
+                    ly.norm, mat(mx.in_proj), mx.conv_weight, mx.conv_bias, mx.dt_bias, mx.A, mx.D,
+                    mx.ssm_norm, mat(mx.out_proj), *views[il],
                 )  # fmt: skip
-                steps.append(Step(self._mamba, tensors))
+                steps.append(Step(mamba, tensors))
             elif ly.attention is not None:
                 att = ly.attention
                 assert att.wqkv_t is not None and att.wo_t is not None
-                attn_in = (ly.norm, att.wqkv_t.t(), None, None, None, None)
+                attn_in = (ly.norm, mat(att.wqkv_t), None, None, None, None)
                 consts = (att.n_head, att.n_head_kv, cfg.eps)
-                steps.append(AttentionStep(il, attn_in, consts, att.scale, self._attn_out, (att.wo_t.t(),)))
+                steps.append(AttentionStep(il, attn_in, consts, att.scale, attn_out, (mat(att.wo_t),)))
             else:
                 assert ly.ffn_up is not None and ly.ffn_down is not None
-                steps.append(Step(self._mlp, (ly.norm, ly.ffn_up.t(), ly.ffn_down.t())))
+                steps.append(Step(mlp, (ly.norm, mat(ly.ffn_up), mat(ly.ffn_down))))
 
         def attend(il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             return states.attention(il, q, k, v, scale, ubatch)
 
-        logits = self._chains.run(x, steps, (self.norm_f, self.lm_head.t()), cfg.eps, attend)
-        return logits[: len(ubatch.output_rows())]
+        x = self.embedding[tokens]  # [Bs, d_model]
+        if many:
+            h = self._chains_many.run(x, steps, "norm", (self.norm_f,), cfg.eps, attend)
+            logits = self.held.linear(output_rows(h, ubatch.output_rows()), self.lm_head)
+        else:
+            logits = self._chains.run(x, steps, "head", (self.norm_f, out_in(self.lm_head)), cfg.eps, attend)
+            logits = logits[: len(ubatch.output_rows())]
+        for il, (window, h_rows) in views.items():
+            states.write_states(il, window, h_rows)
+        return logits
 
-    def _decode_batch(
-        self,
-        x: torch.Tensor,
-        ubatch: UBatch,
-        states: HybridStates,
-        views: dict[int, tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        cfg = self.config
-        linear = self.held.linear
-        for il, ly in enumerate(self.layers):
-            h = rms_norm(x, ly.norm, cfg.eps)
-            if ly.mixer is not None:
-                mx = ly.mixer
-                window, state = views[il]
-                y = self._mixer_step(
-                    linear(h, mx.in_proj), window, mx.conv_weight, mx.conv_bias, mx.dt_bias, mx.A, mx.D,
-                    mx.ssm_norm, state, cfg.n_group, cfg.eps,
-                )  # fmt: skip
-                x = x + linear(y, mx.out_proj)
-            elif ly.attention is not None:
-                att = ly.attention
-                assert att.wo_t is not None
-                q, k, v = att.qkv(h, None, cfg.eps)
-                x = x + linear(states.attention(il, q, k, v, att.scale, ubatch), att.wo_t)
-            else:
-                assert ly.ffn_up is not None and ly.ffn_down is not None
-                x = x + linear(torch.relu(linear(h, ly.ffn_up)).square(), ly.ffn_down)
-        x = output_rows(x, ubatch.output_rows())
-        return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head)
+    def _rows_operand(self, weight_t: torch.Tensor) -> RowsOperand:
+        """A held matrix as several rows' products take it: its packed twin, else ``[out, in]``."""
+        packed = self.held.packed.twin(weight_t)
+        return Packed(packed) if packed is not None else out_in(weight_t)
+
+
+def out_in(weight_t: torch.Tensor) -> torch.Tensor:
+    """A held ``[in, out]`` matrix as the ``[out, in]`` rows the one-token blocks stream."""
+    return weight_t.t()

@@ -1,12 +1,13 @@
-"""One-token blocks of the hybrid models (LFM2, Nemotron-H) written for ``torch.compile`` to fuse, as
+"""Decode blocks of the hybrid models (LFM2, Nemotron-H) written for ``torch.compile`` to fuse, as
 :mod:`rsmem.models.ops.fused` does for Mamba (see there for why they look the way they do).
 
-A decode step of one sequence runs each layer as one compiled call; an attention layer is two, around the
-KV cache's store and attention, which run eagerly (their shapes change every step). ``*_one`` blocks take
-matrices as ``[out, in]`` rows and use :func:`~rsmem.models.ops.fused.gemv`; the ``*_glue_`` functions
-are what lies between the packed products when several sequences decode (the products themselves run
-eagerly through oneDNN). ``x`` is the residual stream ``[Bs, d_model]``; ``window`` ``[Bs, C, K-1]`` is
-updated in place.
+Each block takes its products as ``product``: :func:`~rsmem.models.ops.fused.gemv` for one sequence's
+token (``*_one``: matrices as ``[out, in]`` rows, a fused reduction streaming them) or
+:func:`~rsmem.models.ops.fused.matmul_rows` for one token of each of several sequences (``*_many``:
+matrices as :class:`~rsmem.models.ops.fused.Packed` oneDNN twins, an extern GEMM call inside the compiled
+code). A decode step chains the blocks between attention layers into one compiled call (:func:`chain`);
+the KV cache's store and attention run eagerly between them (their shapes change every step). ``x`` is
+the residual stream ``[Bs, d_model]``; ``window`` ``[Bs, C, K-1]`` is updated in place.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rsmem.models.ops.fused import gemv, head_one
+from rsmem.models.ops.fused import Product, gemv, matmul_rows
 from rsmem.models.ops.norm import rms_norm
 
 
-def swiglu_one(
-    x: torch.Tensor, ffn_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, eps: float
+def swiglu_(
+    product: Product, x: torch.Tensor, ffn_norm: torch.Tensor, gate_up: Any, down: Any, eps: float
 ) -> torch.Tensor:
     """``x + swiglu(rms_norm(x))`` with ``gate_up`` ``[2 * d_ff, d]`` (gate rows first)."""
-    g, u = gemv(rms_norm(x, ffn_norm, eps), gate_up).chunk(2, dim=-1)
-    return x + gemv(F.silu(g) * u, down)
+    g, u = product(rms_norm(x, ffn_norm, eps), gate_up).chunk(2, dim=-1)
+    return x + product(F.silu(g) * u, down)
 
 
 def short_conv_mix_(bcx: torch.Tensor, window: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
@@ -41,28 +42,30 @@ def short_conv_mix_(bcx: torch.Tensor, window: torch.Tensor, conv: torch.Tensor)
     return c * y
 
 
-def lfm2_conv_one_(
+def lfm2_conv_(
+    product: Product,
     x: torch.Tensor,
     attn_norm: torch.Tensor,
-    conv_in: torch.Tensor,
+    conv_in: Any,
     conv: torch.Tensor,
-    conv_out: torch.Tensor,
+    conv_out: Any,
     ffn_norm: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: Any,
+    down: Any,
     window: torch.Tensor,
     eps: float,
 ) -> torch.Tensor:
-    """A whole LFM2 convolution layer (operator and SwiGLU) for one sequence's token; the new ``x``."""
-    bcx = gemv(rms_norm(x, attn_norm, eps), conv_in)
-    x = x + gemv(short_conv_mix_(bcx, window, conv), conv_out)
-    return swiglu_one(x, ffn_norm, gate_up, down, eps)
+    """A whole LFM2 convolution layer (operator and SwiGLU); the new ``x``."""
+    bcx = product(rms_norm(x, attn_norm, eps), conv_in)
+    x = x + product(short_conv_mix_(bcx, window, conv), conv_out)
+    return swiglu_(product, x, ffn_norm, gate_up, down, eps)
 
 
-def attn_in_one(
+def attn_in_(
+    product: Product,
     x: torch.Tensor,
     norm: torch.Tensor,
-    wqkv: torch.Tensor,
+    wqkv: Any,
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
     cos: torch.Tensor | None,
@@ -71,9 +74,9 @@ def attn_in_one(
     n_head_kv: int,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An attention layer up to the KV cache, one token: q ``[1, H, D]``, k and v ``[1, Hkv, D]`` (q/k
-    RMS norms per head and NeoX RoPE with ``cos``/``sin`` ``[1, 1, n_rot / 2]`` when given)."""
-    qkv = gemv(rms_norm(x, norm, eps), wqkv)
+    """An attention layer up to the KV cache: q ``[Bs, H, D]``, k and v ``[Bs, Hkv, D]`` (q/k RMS norms
+    per head and NeoX RoPE with ``cos``/``sin`` ``[Bs, 1, n_rot / 2]`` when given)."""
+    qkv = product(rms_norm(x, norm, eps), wqkv)
     head_dim = qkv.shape[-1] // (n_head + 2 * n_head_kv)
     q, k, v = qkv.split([n_head * head_dim, n_head_kv * head_dim, n_head_kv * head_dim], dim=-1)
     q, k, v = q.view(-1, n_head, head_dim), k.view(-1, n_head_kv, head_dim), v.view(-1, n_head_kv, head_dim)
@@ -90,30 +93,64 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
 
 
-def lfm2_attn_out_one(
+def lfm2_attn_out_(
+    product: Product,
     x: torch.Tensor,
     o: torch.Tensor,
-    wo: torch.Tensor,
+    wo: Any,
     ffn_norm: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: Any,
+    down: Any,
     eps: float,
 ) -> torch.Tensor:
-    """The rest of an LFM2 attention layer after attention (``o`` ``[1, H * D]``): out-projection,
+    """The rest of an LFM2 attention layer after attention (``o`` ``[Bs, H * D]``): out-projection,
     residual, SwiGLU; the new ``x``."""
-    return swiglu_one(x + gemv(o, wo), ffn_norm, gate_up, down, eps)
+    return swiglu_(product, x + product(o, wo), ffn_norm, gate_up, down, eps)
 
 
-def attn_out_one(x: torch.Tensor, o: torch.Tensor, wo: torch.Tensor) -> torch.Tensor:
+def attn_out_(product: Product, x: torch.Tensor, o: torch.Tensor, wo: Any) -> torch.Tensor:
     """Nemotron-H's attention layer after attention: ``x + o @ wo.T``."""
-    return x + gemv(o, wo)
+    return x + product(o, wo)
 
 
-def relu2_mlp_one(
-    x: torch.Tensor, norm: torch.Tensor, up: torch.Tensor, down: torch.Tensor, eps: float
+def relu2_mlp_(
+    product: Product, x: torch.Tensor, norm: torch.Tensor, up: Any, down: Any, eps: float
 ) -> torch.Tensor:
-    """Nemotron-H's MLP layer for one token: ``x + relu(rms_norm(x) @ up.T)^2 @ down.T``."""
-    return x + gemv(torch.relu(gemv(rms_norm(x, norm, eps), up)).square(), down)
+    """Nemotron-H's MLP layer: ``x + relu(rms_norm(x) @ up.T)^2 @ down.T``."""
+    return x + product(torch.relu(product(rms_norm(x, norm, eps), up)).square(), down)
+
+
+# the blocks for one sequence (gemv) and for several (matmul_rows)
+def lfm2_conv_one_(*args: Any) -> torch.Tensor:
+    return lfm2_conv_(gemv, *args)
+
+
+def lfm2_conv_many_(*args: Any) -> torch.Tensor:
+    return lfm2_conv_(matmul_rows, *args)
+
+
+def lfm2_attn_out_one(*args: Any) -> torch.Tensor:
+    return lfm2_attn_out_(gemv, *args)
+
+
+def lfm2_attn_out_many(*args: Any) -> torch.Tensor:
+    return lfm2_attn_out_(matmul_rows, *args)
+
+
+def attn_out_one(*args: Any) -> torch.Tensor:
+    return attn_out_(gemv, *args)
+
+
+def attn_out_many(*args: Any) -> torch.Tensor:
+    return attn_out_(matmul_rows, *args)
+
+
+def relu2_mlp_one(*args: Any) -> torch.Tensor:
+    return relu2_mlp_(gemv, *args)
+
+
+def relu2_mlp_many(*args: Any) -> torch.Tensor:
+    return relu2_mlp_(matmul_rows, *args)
 
 
 # ------------------------------------------------------------------------------ chains of blocks
@@ -121,35 +158,44 @@ def relu2_mlp_one(
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """One ``*_one`` block as a chain step: ``fn(x, *tensors, *consts) -> x`` over ``n`` tensors, of which
-    the offsets ``mutated`` are written in place (state rows)."""
+    """One block as a chain step: ``fn(x, *tensors, *consts) -> x`` over ``n`` tensors, of which the
+    offsets ``mutated`` are written in place (state rows) and ``batch`` are per-sequence inputs besides
+    them (attention's output ``o``): with the residual, the arguments whose dimension 0 is the batch."""
 
     fn: Callable[..., torch.Tensor]
     n: int
     consts: tuple[float | int, ...] = ()
     mutated: tuple[int, ...] = ()
+    batch: tuple[int, ...] = ()
 
 
 ATTN_IN_TENSORS = 6  # norm, wqkv, q_norm, k_norm, cos, sin (then n_head, n_head_kv, eps)
+ATTN_IN_BATCH = (4, 5)  # cos and sin: one row per token
 HEAD_TENSORS = 2  # norm_f, lm_head (then eps)
+TAILS = ("attn_in", "head", "norm")
 
 
 def chain(
-    blocks: tuple[Block, ...], tail: str, tail_consts: tuple[float | int, ...]
+    blocks: tuple[Block, ...], tail: str, tail_consts: tuple[float | int, ...], product: Product = gemv
 ) -> Callable[..., object]:
     """One function running ``blocks`` in order on ``(x, *flat)`` (each block's tensors in turn), then its
-    ``tail``: ``"attn_in"`` returns ``(x, q, k, v)`` (:func:`attn_in_one` on the next ``ATTN_IN_TENSORS``
-    tensors), ``"head"`` the logits (:func:`~rsmem.models.ops.fused.head_one`). Compiled, a decode step of
-    one sequence is one call per stretch between attention layers."""
+    ``tail``: ``"attn_in"`` returns ``(x, q, k, v)`` (:func:`attn_in_` on the next ``ATTN_IN_TENSORS``
+    tensors), ``"head"`` the logits (final norm and ``product`` with the head: ``HEAD_TENSORS``),
+    ``"norm"`` the final norm's rows (its one tensor; the head then runs on the output rows). Compiled, a
+    decode step is one call per stretch between attention layers."""
+    if tail not in TAILS:
+        raise ValueError(f"unknown chain tail {tail!r}")
 
-    def chain_one(x: torch.Tensor, *flat: Any) -> object:  # tensors, None for absent norms
+    def chain_step(x: torch.Tensor, *flat: Any) -> object:  # tensors, None for absent norms
         i = 0
         for b in blocks:
             x = b.fn(x, *flat[i : i + b.n], *b.consts)
             i += b.n
         rest = flat[i:]
         if tail == "head":
-            return head_one(x, rest[0], rest[1], *tail_consts)
-        return (x, *attn_in_one(x, *rest, *tail_consts))
+            return product(rms_norm(x, rest[0], *tail_consts), rest[1])
+        if tail == "norm":
+            return rms_norm(x, rest[0], *tail_consts)
+        return (x, *attn_in_(product, x, *rest, *tail_consts))
 
-    return chain_one
+    return chain_step

@@ -1,0 +1,89 @@
+"""Attention over each token's gathered cells (memory/kv_attention.py ``gathered_cells``: a decode step of
+several sequences in one unified stream) gives the logits of attention over the whole stream, and the
+causal masks are right for sequence ids past 63 (two 64-bit words of cell bits)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import rsmem
+from rsmem.memory import kv_attention
+from rsmem.memory.kv_cells import KVCells, visible
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
+GATHERED_CELLS = kv_attention.gathered_cells
+
+
+@pytest.mark.parametrize("n_seqs", [10, 63, 64, 65, 130])
+def test_visible_for_any_sequence_ids(n_seqs: int) -> None:
+    rng = random.Random(n_seqs)
+    cells = KVCells(200)
+    for i in range(150):
+        cells.occupy(i, rng.randint(0, 50), set(rng.sample(range(n_seqs), rng.randint(1, 3))))
+    cells.rm(7)
+    seqs = [rng.randrange(n_seqs) for _ in range(40)] + [n_seqs - 1]
+    pos = [rng.randint(0, 60) for _ in seqs]
+    got = visible(cells, 160, seqs, pos, torch.device("cpu"))
+    want = torch.tensor(
+        [
+            [cells.pos[j] >= 0 and s in cells.seqs[j] and cells.pos[j] <= p for j in range(160)]
+            for s, p in zip(seqs, pos)
+        ]
+    )
+    assert torch.equal(got, want)
+    assert want.any()
+
+
+def test_gathered_cells_lists_each_tokens_cells() -> None:
+    mask = torch.zeros(1, 3, 10, dtype=torch.bool)
+    mask[0, 0, [0, 3]] = True
+    mask[0, 1, [1]] = True
+    mask[0, 2, [2, 4, 9]] = True
+    found = kv_attention.gathered_cells(mask, torch.tensor([20]))
+    assert found is not None
+    index, valid = found
+    assert valid.tolist() == [[True, True, False], [True, False, False], [True, True, True]]
+    assert index[valid].tolist() == [20, 23, 21, 22, 24, 29]
+    assert kv_attention.gathered_cells(mask[:, :1], torch.tensor([0])) is None  # one token a group
+    assert kv_attention.gathered_cells(torch.ones(1, 3, 10, dtype=torch.bool), torch.tensor([0])) is None
+
+
+def _decode_all(model, monkeypatch: pytest.MonkeyPatch, gather: bool) -> tuple[list[torch.Tensor], int]:
+    """Prompts of different lengths for 66 sequences in one unified stream (one forked), then decode steps
+    of all of them together; the logits and how often the gathered path ran."""
+    used = [0]
+
+    def counted(mask: torch.Tensor, rows: torch.Tensor):
+        found = GATHERED_CELLS(mask, rows) if gather else None
+        used[0] += found is not None
+        return found
+
+    monkeypatch.setattr(kv_attention, "gathered_cells", counted)
+    n = 66
+    ctx = rsmem.Context(model, n_seq_max=n, n_ctx=4096, kv_unified=True)
+    for s in range(n - 1):
+        ctx.decode(rsmem.Batch([(3 * s + i) % 50 + 1 for i in range(1 + s % 5)], seq_ids=[[s]] * (1 + s % 5)))
+    ctx.memory.seq_cp(2, n - 1, -1, -1)  # shares seq 2's cells
+    out = []
+    for k in range(3):
+        ctx.decode(
+            rsmem.Batch(
+                [(s + k) % 40 + 1 for s in range(n)], seq_ids=[[s] for s in range(n)], logits=[True] * n
+            )
+        )
+        out.append(ctx.logits.clone())
+    return out, used[0]
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "nemotron_h"])
+def test_gathered_attention_matches_the_whole_stream(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=False)
+    want, none = _decode_all(model, monkeypatch, gather=False)
+    got, used = _decode_all(model, monkeypatch, gather=True)
+    assert none == 0 and used >= 3  # the decode steps took the gathered path
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
