@@ -1,12 +1,12 @@
-"""The int8 route of rsmem::qmatmul (route 3: K-quant weights, activations quantized as llama.cpp's Q8_K,
-VNNI dot products) against its twin: the Q8_K-quantized activations times the dequantized weights."""
+"""The int8 routes of rsmem::qmatmul (K-quant weights, activations quantized as llama.cpp's Q8_K, VNNI dot
+products; route 3 unpacks blocks in registers, route 4 repacks 16 weight rows into panels) against their
+twin: the Q8_K-quantized activations times the dequantized weights."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from test_quant_kernels import (
-    INT8_MAX_M,
     INT8_TYPES,
     Q,
     assert_int8_close,
@@ -78,32 +78,44 @@ def test_twin_bound_detects_a_wrong_layout(qtype: Q) -> None:
         assert_int8_close(y, x, blocks, qtype, k)
 
 
-def test_default_route_by_rows(ops) -> None:
-    """rsmem::qmatmul takes the int8 route for K-quants up to INT8_MAX_M rows (the same floats as route 3)
-    and not beyond; Q8_0 and Q4_0 have no int8 route (a forced route 3 is refused)."""
-    blocks = random_blocks(Q.Q4_K, 12, 512, seed=1)
-    for m in (1, INT8_MAX_M):
-        x = torch.randn(m, 512)
-        assert torch.equal(qmatmul(x, blocks, Q.Q4_K, 512), ops.qmatmul(x, blocks, int(Q.Q4_K), 512, 3))
-    x = torch.randn(INT8_MAX_M + 1, 512)
-    assert not torch.equal(qmatmul(x, blocks, Q.Q4_K, 512), ops.qmatmul(x, blocks, int(Q.Q4_K), 512, 3))
-    for qtype in (Q.Q8_0, Q.Q4_0):
-        with pytest.raises(ValueError, match="route 3"):
-            ops.qmatmul(torch.randn(1, 256), random_blocks(qtype, 2, 256), int(qtype), 256, 3)
+# the most rows each type takes route 3 for (csrc/qmatmul.cpp's int8_registers_max_m); beyond, route 4
+REGISTERS_MAX_M = {Q.Q4_K: 6, Q.Q5_K: 6, Q.Q6_K: 24}
 
 
 @pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
-def test_threads_give_the_same_floats(ops, qtype: Q) -> None:
+def test_default_route_by_rows(ops, qtype: Q) -> None:
+    """rsmem::qmatmul takes route 3 for K-quants up to REGISTERS_MAX_M rows and route 4 beyond (the same
+    floats as the forced route; the two routes sum in different orders)."""
+    blocks = random_blocks(qtype, 40, 512, seed=1)
+    top = REGISTERS_MAX_M[qtype]
+    for m, route in ((1, 3), (top, 3), (top + 1, 4), (64, 4)):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        got = qmatmul(x, blocks, qtype, 512)
+        assert torch.equal(got, ops.qmatmul(x, blocks, int(qtype), 512, route)), (m, route)
+        assert not torch.equal(got, ops.qmatmul(x, blocks, int(qtype), 512, 7 - route)), (m, route)
+
+
+@pytest.mark.parametrize("route", [3, 4])
+def test_types_without_int8_refuse_the_route(ops, route: int) -> None:
+    for qtype in (Q.Q8_0, Q.Q4_0):
+        with pytest.raises(ValueError, match=f"route {route}"):
+            ops.qmatmul(torch.randn(1, 256), random_blocks(qtype, 2, 256), int(qtype), 256, route)
+
+
+@pytest.mark.parametrize("route", [3, 4])
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+def test_threads_give_the_same_floats(ops, qtype: Q, route: int) -> None:
     """Outputs split over threads by weight rows: each output is computed the same way whatever the split
     (and the activations are quantized once, before it)."""
     blocks = random_blocks(qtype, 1001, 768, seed=7)
-    x = torch.randn(3, 768)
+    x = torch.randn(9, 768)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = ops.qmatmul(x, blocks, int(qtype), 768, 3)
+        one = ops.qmatmul(x, blocks, int(qtype), 768, route)
         torch.set_num_threads(2)
-        two = ops.qmatmul(x, blocks, int(qtype), 768, 3)
+        two = ops.qmatmul(x, blocks, int(qtype), 768, route)
     finally:
         torch.set_num_threads(threads)
+    assert_int8_close(one, x, blocks, qtype, 768)
     assert torch.equal(one, two)

@@ -28,7 +28,7 @@ from rsmem import settings
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("qmatmul.cpp",)
-HEADERS = ("blocks.h", "int8.h")
+HEADERS = ("blocks.h", "int8.h", "int8_gemm.h")
 CFLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp")
 
 _lock = threading.Lock()

@@ -10,19 +10,22 @@ read at first use) or failed to build (warned once), and on other devices, :func
 
 Routes by the number of activation rows ``M`` (the C++ side, ``csrc/qmatmul.cpp``):
 
-- Q4_K, Q5_K, Q6_K with ``M <= 16`` on CPUs with AVX512-VNNI (``csrc/int8.h``): activations quantized to
-  8 bits per block of 256 values once per product, as llama.cpp's Q8_K (``d = amax / 127``), and integer
-  dot products with the blocks' own integers (vpmaddubsw, vpdpwssd): what llama.cpp computes for these
-  types, 1.7-2.5x faster than dequantizing in registers. Its twin: the Q8_K-quantized activations times the
-  dequantized weights (to ~1e-8 of ``sum |x w|``, tests/kernels/test_int8_route.py).
-- Other ``M <= 8`` (one-sequence decode, small batches): blocks are dequantized in registers and multiplied
-  with the float32 activations: the reference's values, only the summation order differs (~1e-6 of
-  ``sum |x w|``).
-- Larger ``M`` (large batches, prefill), on CPUs with AVX512-BF16: activations are rounded to bfloat16,
-  tiles of 64 weight rows dequantized to bfloat16 in cache, and multiplied with float32 sums (vdpbf16ps):
-  about 2x the float32 GEMM's speed; the error, ~2.5e-3 of the largest output on random data, is below
-  what llama.cpp's own 8-bit activation quantization gives (tests/kernels check that).
-- Larger ``M`` without AVX512-BF16: tiles dequantized to float32 and torch's GEMM (the reference's values).
+- Q4_K, Q5_K, Q6_K on CPUs with AVX512-VNNI, every ``M``: activations quantized to 8 bits per block of
+  256 values once per product, as llama.cpp's Q8_K (``d = amax / 127``), and integer dot products with the
+  blocks' own integers: what llama.cpp computes for these types. Few rows (``csrc/int8.h``, route 3):
+  blocks unpacked in registers (vpmaddubsw, vpdpwssd), 2-2.5x faster than dequantizing them at one row;
+  more rows (Q4_K / Q5_K from 7, Q6_K from 25; ``csrc/int8_gemm.h``, route 4): 16 weight rows repacked
+  per task into 4-value groups, vpdpbusd, 2.2x the bf16 route at 512 rows. Their twin: the Q8_K-quantized
+  activations times the dequantized weights (to ~1e-7 of ``sum |x w|``, tests/kernels/test_int8_route.py).
+- Other types, ``M <= 8`` (one-sequence decode, small batches): blocks are dequantized in registers and
+  multiplied with the float32 activations: the reference's values, only the summation order differs
+  (~1e-6 of ``sum |x w|``).
+- Other types, larger ``M`` (large batches, prefill), on CPUs with AVX512-BF16: activations are rounded to
+  bfloat16, tiles of 64 weight rows dequantized to bfloat16 in cache, and multiplied with float32 sums
+  (vdpbf16ps): about 2x the float32 GEMM's speed; the error, ~2.5e-3 of the largest output on random
+  data, is below what llama.cpp's own 8-bit activation quantization gives (tests/kernels check that).
+- Other types, larger ``M`` without AVX512-BF16: tiles dequantized to float32 and torch's GEMM (the
+  reference's values).
 
 :func:`qmatmul_ref` is the plain reference twin: dequantize (:func:`dequantize_rows`, gguf's values) in
 row tiles, so that no float32 copy of a whole large matrix is made at once, and ``x @ tile.T``.

@@ -25,10 +25,13 @@
 namespace rsmem {
 namespace i8 {
 
-// One block of 256 activations: int8 values, their sums of 16 times d (float), and d.
+// One block of 256 activations: int8 values q, the same plus 128 as uint8 (qu, for products with signed
+// weights), their sums of 16 and of 32 times d (float), and d.
 struct alignas(64) ABlock {
   int8_t q[256];
+  uint8_t qu[256];
   float bsum[16];
+  float bsum32[8];
   float d;
 };
 
@@ -45,7 +48,9 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, ABlock* out) {
       const float a = _mm512_reduce_max_ps(amax);
       if (a == 0.f) {
         std::memset(o.q, 0, 256);
+        std::memset(o.qu, 0x80, 256);
         for (int j = 0; j < 16; ++j) o.bsum[j] = 0.f;
+        for (int j = 0; j < 8; ++j) o.bsum32[j] = 0.f;
         o.d = 0.f;
         continue;
       }
@@ -54,11 +59,14 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, ABlock* out) {
       alignas(64) int32_t sums[16];
       for (int j = 0; j < 16; ++j) {
         const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * j), is));
-        _mm_store_si128((__m128i*)(o.q + 16 * j), _mm512_cvtsepi32_epi8(q));
+        const __m128i q8 = _mm512_cvtsepi32_epi8(q);
+        _mm_store_si128((__m128i*)(o.q + 16 * j), q8);
+        _mm_store_si128((__m128i*)(o.qu + 16 * j), _mm_xor_si128(q8, _mm_set1_epi8(static_cast<char>(0x80))));
         sums[j] = _mm512_reduce_add_epi32(q);
       }
       const __m512 bs = _mm512_cvtepi32_ps(_mm512_load_si512(sums));
       _mm512_store_ps(o.bsum, _mm512_mul_ps(bs, _mm512_set1_ps(d)));
+      for (int j = 0; j < 8; ++j) o.bsum32[j] = static_cast<float>(sums[2 * j] + sums[2 * j + 1]) * d;
       o.d = d;
     }
   });
@@ -265,14 +273,20 @@ void matmul_nr(const ABlock* a, const uint8_t* w, float* y, int64_t M, int64_t N
   });
 }
 
-// y = x @ W^T with x quantized to 8 bits per block of 256 (once per product).
-template <class T>
-void matmul(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t nb = K / 256;
-  at::Tensor buf = at::empty({static_cast<int64_t>(M * nb * sizeof(ABlock) + 64)}, at::kByte);
+// M rows of K activations quantized (quantize_rows) into `buf`'s storage, 64-byte aligned.
+inline ABlock* quantized(const float* x, int64_t M, int64_t K, at::Tensor& buf) {
+  buf = at::empty({static_cast<int64_t>(M * (K / 256) * sizeof(ABlock) + 64)}, at::kByte);
   const uintptr_t raw = reinterpret_cast<uintptr_t>(buf.data_ptr<uint8_t>());
   ABlock* a = reinterpret_cast<ABlock*>((raw + 63) & ~static_cast<uintptr_t>(63));
   quantize_rows(x, M, K, a);
+  return a;
+}
+
+// y = x @ W^T with x quantized to 8 bits per block of 256 (once per product).
+template <class T>
+void matmul(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  at::Tensor buf;
+  const ABlock* a = quantized(x, M, K, buf);
   if (M == 1) {
     matmul_nr<T, 4, 1>(a, w, y, M, N, K);
   } else if (M == 2) {

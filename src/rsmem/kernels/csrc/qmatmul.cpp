@@ -10,8 +10,11 @@
 //     packed 16 rows to a register; tiles of kTileRows weight rows dequantized to bfloat16 in cache;
 //     vdpbf16ps (exact products, float32 sums and outputs).
 //   1 "f32 tiles" (M >= 9 without AVX512-BF16): tiles dequantized to float32 and multiplied with at::mm.
-//   3 "int8" (Q4_K, Q5_K, Q6_K, M <= kInt8MaxM = 16, where AVX512-VNNI is compiled in; int8.h):
-//     activations quantized to 8 bits per 256 values as llama.cpp's Q8_K, integer dot products.
+//   3 "int8" (Q4_K, Q5_K, Q6_K, where AVX512-VNNI is compiled in, M <= int8_registers_max_m; int8.h):
+//     activations quantized to 8 bits per 256 values as llama.cpp's Q8_K, integer dot products with
+//     blocks unpacked in registers.
+//   4 "int8 panels" (the same types, larger M; int8_gemm.h): the same integers, weights repacked 16 rows
+//     at a time per task, vpdpbusd.
 // Without AVX-512 at compile time (-march=native on another CPU) every route uses the portable scalar
 // decoders of blocks.h (routes 0 and 1 only).
 #include <ATen/ATen.h>
@@ -26,14 +29,20 @@
 
 #include "blocks.h"
 #include "int8.h"
+#include "int8_gemm.h"
 
 namespace rsmem {
 namespace {
 
 constexpr int64_t kTileMinM = 9;
-// the int8 route (3) up to this many rows for the types it has (measured faster than route 0 at 1-8 rows
-// and than route 2 at 9-16: in_proj [3072, 768] Q4_K, 1 thread, M=16: 0.64 against 0.75 ms)
-constexpr int64_t kInt8MaxM = 16;
+// Up to how many rows the int8 types take route 3 (int8 in registers); beyond, route 4 (int8 panels).
+// Measured on in_proj [3072, 768], 1 thread, CPU time: Q4_K route 3 / 4 at M=4 0.16 / 0.19 ms, M=8 0.31 /
+// 0.25; Q6_K (its panels cost more to pack and sum) M=16 0.78 / 1.00, M=64 2.83 / 2.02. Both are faster
+// than routes 0 and 2 at every M (route 2 at M=512: 17.7 ms; route 4: Q4_K 8.1, Q6_K 11.2).
+template <class T>
+constexpr int64_t int8_registers_max_m() {
+  return std::is_same_v<T, Q6_K> ? 24 : 6;
+}
 constexpr int64_t kTileRows = 64;
 constexpr int64_t kPrefetchGroups = 2;
 
@@ -307,14 +316,24 @@ constexpr bool has_int8() {
 template <class T>
 at::Tensor run(const at::Tensor& x, const at::Tensor& blocks, int64_t k, int64_t route) {
   const int64_t M = x.size(0), N = blocks.size(0);
-  TORCH_CHECK_VALUE(route != 3 || has_int8<T>(), "route 3 (int8) has no kernel for this type here");
+  TORCH_CHECK_VALUE(route < 3 || has_int8<T>(), "route ", route, " (int8) has no kernel for this type here");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  if (route < 0) route = has_int8<T>() && M <= kInt8MaxM ? 3 : M < kTileMinM ? 0 : kLargeRoute;
+  if (route < 0) {
+    if (has_int8<T>()) {
+      route = M <= int8_registers_max_m<T>() ? 3 : 4;
+    } else {
+      route = M < kTileMinM ? 0 : kLargeRoute;
+    }
+  }
 #ifdef RSMEM_INT8
   if constexpr (has_int8<T>()) {
     if (route == 3) {
       i8::matmul<T>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, k);
+      return y;
+    }
+    if (route == 4) {
+      i8::matmul_panels<T>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, k);
       return y;
     }
   }
@@ -359,7 +378,7 @@ auto by_type(int64_t qtype, const at::Tensor& blocks, int64_t k, F&& f) {
 }
 
 at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t k, int64_t route) {
-  TORCH_CHECK_VALUE(route >= -1 && route <= 3, "route must be -1 (by M), 0, 1, 2 or 3");
+  TORCH_CHECK_VALUE(route >= -1 && route <= 4, "route must be -1 (by M), 0, 1, 2, 3 or 4");
   return by_type(qtype, blocks, k, [&](auto t) {
     TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == k,
                       "x must be a float32 [M, ", k, "] tensor, got ", x_in.scalar_type(), " of shape ",

@@ -1,0 +1,205 @@
+// Route 4 "int8 panels": the int8 route's arithmetic (int8.h: activations as llama.cpp's Q8_K, the blocks'
+// own integers) for many activation rows. Each task repacks 16 weight rows at a time ("panel") into
+//   w[g][r]  the 4 values 4g .. 4g + 3 of row r (one int32 lane per row: a zmm holds 16 rows)
+// with their scales as per-row vectors, once per product; then every activation row m multiplies the panel
+// with vpdpbusd against 4 broadcast activation bytes (16 rows x 4 values a instruction, no unpacking in
+// the loop). Sums run per sub-block (Q4_K / Q5_K: 32 values; Q6_K: 16) in int32, then times d * sc in
+// float. Q6_K's q - 32 is signed: it takes the activations as uint8 (q + 128), and each sub-block's sum
+// starts at -128 * (sum of its weights), so the integer sums equal route 3's.
+#pragma once
+
+#include "int8.h"
+
+#ifdef RSMEM_INT8
+#include <vector>
+
+namespace rsmem {
+namespace i8 {
+
+constexpr int kPanel = 16;
+
+// One block (256 values) of one panel.
+struct alignas(64) PanelBlock {
+  int32_t w[64][kPanel];      // 4 bytes of weights per row and group of 4 values
+  float scf[16][kPanel];      // d * sc per sub-block (Q4_K / Q5_K: 8 of 32 values; Q6_K: 16 of 16)
+  float mnf[8][kPanel];       // Q4_K / Q5_K: dmin * min per sub-block of 32
+  int32_t init[16][kPanel];   // Q6_K: -128 * the sum of the sub-block's q - 32
+};
+
+// A 16 x 16 matrix of int32 (r[i]: row i) transposed in place (r[j]: column j).
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // r[4i + j], 128-bit lane L: rows 4i .. 4i + 3 of column 4L + j
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i ab_lo = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), ab_hi = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    t[j] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);       // column j
+    t[4 + j] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);   // column 4 + j
+    t[8 + j] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);   // column 8 + j
+    t[12 + j] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);  // column 12 + j
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+template <class T>
+struct Panel {
+  static constexpr bool kSigned = std::is_same_v<T, Q6_K>;  // weights as int8 (q - 32), activations + 128
+  static constexpr int kSub = kSigned ? 16 : 8;             // sub-blocks a block
+  static constexpr int kGroups = 256 / kSub / 4;            // groups of 4 values a sub-block
+
+  // Block ib of rows [0, rows) (at most kPanel; the rest zero) of `w` (stride ldw) into p.
+  static void pack(const uint8_t* w, int64_t ldw, int rows, int64_t ib, PanelBlock& p) {
+    __m512i c[4][kPanel];  // chunk j of row r: 64 values, 16 groups of 4
+    for (int r = 0; r < kPanel; ++r) {
+      if (r >= rows) {
+        for (int j = 0; j < 4; ++j) c[j][r] = _mm512_setzero_si512();
+        for (int s = 0; s < 16; ++s) p.scf[s][r] = 0.f, p.init[s][r] = 0;
+        for (int s = 0; s < 8; ++s) p.mnf[s][r] = 0.f;
+        continue;
+      }
+      const uint8_t* blk = w + r * ldw + ib * T::TS;
+      c[0][r] = Int8<T>::template chunk<0>(blk);
+      c[1][r] = Int8<T>::template chunk<1>(blk);
+      c[2][r] = Int8<T>::template chunk<2>(blk);
+      c[3][r] = Int8<T>::template chunk<3>(blk);
+      Scales sc;
+      T::scales(blk, sc);
+      for (int s = 0; s < kSub; ++s) p.scf[s][r] = sc.a[s];
+      if constexpr (kSigned) {
+        // sums of 16 values of q (sums of 8 bytes, vpsadbw), then of q - 32: -128 x that starts each sum
+        for (int j = 0; j < 4; ++j) {
+          alignas(64) uint64_t e[8];
+          _mm512_store_si512((void*)e, _mm512_sad_epu8(c[j][r], _mm512_setzero_si512()));
+          for (int t = 0; t < 4; ++t) p.init[4 * j + t][r] = -128 * (static_cast<int32_t>(e[2 * t] + e[2 * t + 1]) - 512);
+          c[j][r] = _mm512_sub_epi8(c[j][r], _mm512_set1_epi8(32));
+        }
+      } else {
+        for (int s = 0; s < 8; ++s) p.mnf[s][r] = sc.b[s];
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      transpose16(c[j]);
+      for (int g = 0; g < 16; ++g) _mm512_store_si512((void*)p.w[16 * j + g], c[j][g]);
+    }
+  }
+};
+
+// y[m * ldy + 16 v + r] for NV panels (p[v]: nb blocks each) and MR activation rows (stride lda blocks).
+template <class T, int NV, int MR>
+void panel_tile(const PanelBlock* const (&p)[NV], int64_t nb, const ABlock* a, int64_t lda, float* y,
+                int64_t ldy, int valid) {
+  using P = Panel<T>;
+  __m512 total[NV][MR];
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v)
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) total[v][m] = _mm512_setzero_ps();
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    __m512 fblk[NV][MR];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v)
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) fblk[v][m] = _mm512_setzero_ps();
+    for (int s = 0; s < P::kSub; ++s) {
+      __m512i isum[NV][MR];
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) {
+        const __m512i init = P::kSigned ? _mm512_load_si512(p[v][ib].init[s]) : _mm512_setzero_si512();
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) isum[v][m] = init;
+      }
+#pragma GCC unroll 8
+      for (int g = 0; g < P::kGroups; ++g) {
+        const int gi = s * P::kGroups + g;
+        __m512i xb[MR];
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) {
+          const uint8_t* src = P::kSigned ? a[m * lda + ib].qu : reinterpret_cast<const uint8_t*>(a[m * lda + ib].q);
+          xb[m] = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(src + 4 * gi));
+        }
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v) {
+          const __m512i wv = _mm512_load_si512(p[v][ib].w[gi]);
+#pragma GCC unroll 16
+          for (int m = 0; m < MR; ++m)
+            isum[v][m] = P::kSigned ? _mm512_dpbusd_epi32(isum[v][m], xb[m], wv)
+                                    : _mm512_dpbusd_epi32(isum[v][m], wv, xb[m]);
+        }
+      }
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) {
+        const __m512 scf = _mm512_load_ps(p[v][ib].scf[s]);
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) fblk[v][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[v][m]), scf, fblk[v][m]);
+        if constexpr (!P::kSigned) {
+          const __m512 mn = _mm512_load_ps(p[v][ib].mnf[s]);
+#pragma GCC unroll 16
+          for (int m = 0; m < MR; ++m)
+            total[v][m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a[m * lda + ib].bsum32[s]), total[v][m]);
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512 dx = _mm512_set1_ps(a[m * lda + ib].d);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) total[v][m] = _mm512_fmadd_ps(fblk[v][m], dx, total[v][m]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) {
+    const int left = valid - kPanel * v;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= kPanel ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + kPanel * v, mask, total[v][m]);
+  }
+}
+
+// y = x @ W^T for many rows: tasks of NV panels (16 NV weight rows) packed once, then every activation row.
+template <class T>
+void matmul_panels(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  constexpr int NV = 2, MR = 4;
+  at::Tensor buf;
+  const ABlock* a = quantized(x, M, K, buf);
+  const int64_t nb = K / 256, ldw = nb * T::TS, rows = NV * kPanel;
+  const int64_t tasks = (N + rows - 1) / rows;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<PanelBlock> packed(NV * nb);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * rows;
+      const int valid = static_cast<int>(std::min(rows, N - n0));
+      for (int v = 0; v < NV; ++v) {
+        const int r = std::max(0, std::min(kPanel, valid - kPanel * v));
+        for (int64_t ib = 0; ib < nb; ++ib)
+          Panel<T>::pack(w + (n0 + kPanel * v) * ldw, ldw, r, ib, packed[v * nb + ib]);
+      }
+      const PanelBlock* const p[NV] = {packed.data(), packed.data() + nb};
+      int64_t m = 0;
+      for (; m + MR <= M; m += MR) panel_tile<T, NV, MR>(p, nb, a + m * nb, nb, y + m * N + n0, N, valid);
+      const ABlock* am = a + m * nb;
+      float* ym = y + m * N + n0;
+      switch (M - m) {
+        case 3: panel_tile<T, NV, 3>(p, nb, am, nb, ym, N, valid); break;
+        case 2: panel_tile<T, NV, 2>(p, nb, am, nb, ym, N, valid); break;
+        case 1: panel_tile<T, NV, 1>(p, nb, am, nb, ym, N, valid); break;
+        default: break;
+      }
+    }
+  });
+}
+
+}  // namespace i8
+}  // namespace rsmem
+#endif
