@@ -75,3 +75,33 @@ def test_health_is_503_when_the_engine_thread_is_gone(shared_llm):
         assert r.json()["status"] == "error" and "not running" in r.json()["reason"]
         r = complete(live)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+
+
+def stream_raw(live: LiveServer, **extra) -> list[bytes]:
+    payload = {"model": MODEL, "prompt": "ROMEO:", "temperature": 0, "stream": True} | extra
+    with httpx.stream("POST", f"{live.base_url}/completions", json=payload, timeout=60) as r:
+        return list(r.iter_raw())
+
+
+def events_of(raw: list[bytes]) -> list[object]:
+    """The events' choices (or the final ``[DONE]``)."""
+    lines = [line[6:] for line in b"".join(raw).decode().split("\n") if line.startswith("data: ")]
+    return [line if line == "[DONE]" else json.loads(line)["choices"] for line in lines]
+
+
+def test_reports_between_the_first_token_and_the_end_are_handed_over_together(shared_llm):
+    """The engine thread holds reports for up to ``flush_interval`` (one hand-off to the event loop for
+    several steps), but never a request's first token or its end; the stream still has one event a
+    token, and the held ones go out in one write."""
+    with start_server(shared_llm) as live:
+        eos = live.engine.tokenizer.eos_token_id
+        body = {"max_tokens": 24, "logit_bias": {str(eos): -100}}
+        every_step = events_of(stream_raw(live, **body))
+        live.runner.flush_interval = 3600.0  # hold everything that is not urgent
+        raw = stream_raw(live, **body)
+    held = events_of(raw)
+    assert held == every_step  # the same events (one a token), in the same order
+    assert len([e for e in held if e != "[DONE]"]) == 24
+    first = events_of(raw[:1])
+    assert len(first) == 1 and first[0][0]["finish_reason"] is None  # type: ignore[index]  # not held
+    assert len(raw) <= 3  # the first token; the other 23, the end and [DONE] in one write (or two)

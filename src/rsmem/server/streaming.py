@@ -25,7 +25,7 @@ from fastapi import Request
 from rsmem.engine import RequestOutput
 from rsmem.server.errors import ApiError
 from rsmem.server.responses import failure_of
-from rsmem.server.runner import EngineRunner, Submission
+from rsmem.server.runner import EngineRunner, Report, Submission
 
 
 class ClientGoneError(ApiError):
@@ -80,6 +80,15 @@ async def collect(request: Request, runner: EngineRunner, sub: Submission) -> li
     return [finals[rid] for rid in sub.request_ids]
 
 
+async def reports_ready(sub: Submission) -> list[Report]:
+    """The next report of ``sub`` and every one queued behind it (the engine thread hands several
+    steps' reports over at once; a stream that fell behind catches up in one write)."""
+    ready = [await sub.reports.get()]
+    while not sub.reports.empty():
+        ready.append(sub.reports.get_nowait())
+    return ready
+
+
 def sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
 
@@ -94,17 +103,18 @@ async def stream_events(
     finals: dict[str, RequestOutput] = {}
     try:
         while len(finals) < len(sub.request_ids):
-            out = await sub.reports.get()
-            failure = failure_of(out)
-            if failure is not None:
-                yield sse(failure.body())
-                yield sse("[DONE]")
-                return
-            assert isinstance(out, RequestOutput)
-            for chunk in fmt.chunks(out):
-                yield sse(chunk)
-            if out.finished:
-                finals[out.request_id] = out
+            events: list[bytes] = []
+            for out in await reports_ready(sub):  # one write for all the reports that wait
+                failure = failure_of(out)
+                if failure is not None:
+                    yield b"".join([*events, sse(failure.body()), sse("[DONE]")])
+                    return
+                assert isinstance(out, RequestOutput)
+                events += map(sse, fmt.chunks(out))
+                if out.finished:
+                    finals[out.request_id] = out
+            if events:
+                yield b"".join(events)
         if include_usage:
             yield sse(fmt.usage_chunk([finals[rid] for rid in sub.request_ids]))
         yield sse("[DONE]")
