@@ -1,6 +1,7 @@
 """The int8 routes of rsmem::qmatmul (K-quant weights, activations quantized as llama.cpp's Q8_K, VNNI dot
-products; route 3 unpacks blocks in registers, route 4 repacks 16 weight rows into panels) against their
-twin: the Q8_K-quantized activations times the dequantized weights."""
+products; route 3 unpacks blocks in registers, route 4 repacks 16 weight rows into panels; route 4 also
+takes Q8_0 and Q4_0 against activations quantized per 32 values) against their twin: the quantized
+activations times the dequantized weights."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from test_quant_kernels import (
     INT8_TYPES,
+    SMALL_PANELS_MIN_M,
     Q,
     assert_int8_close,
     q8k_activations,
@@ -78,28 +80,36 @@ def test_twin_bound_detects_a_wrong_layout(qtype: Q) -> None:
         assert_int8_close(y, x, blocks, qtype, k)
 
 
-# the most rows each type takes route 3 for (csrc/qmatmul.cpp's int8_registers_max_m); beyond, route 4
-REGISTERS_MAX_M = {Q.Q4_K: 6, Q.Q5_K: 6, Q.Q6_K: 24}
+# the most rows each type takes route 3 for (csrc/qmatmul.cpp's int8_registers_max_m); beyond, route 4;
+# Q8_0 / Q4_0: route 0 (float32 activations) up to SMALL_PANELS_MIN_M - 1 rows
+REGISTERS_MAX_M = {Q.Q4_K: 6, Q.Q5_K: 6, Q.Q6_K: 24, Q.Q8_0: SMALL_PANELS_MIN_M - 1, Q.Q4_0: 6}
+BELOW = {Q.Q4_K: 3, Q.Q5_K: 3, Q.Q6_K: 3, Q.Q8_0: 0, Q.Q4_0: 0}
 
 
-@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [*INT8_TYPES, Q.Q8_0, Q.Q4_0], ids=lambda t: t.name)
 def test_default_route_by_rows(ops, qtype: Q) -> None:
-    """rsmem::qmatmul takes route 3 for K-quants up to REGISTERS_MAX_M rows and route 4 beyond (the same
-    floats as the forced route; the two routes sum in different orders)."""
+    """rsmem::qmatmul takes route 3 for K-quants (route 0 for Q8_0 / Q4_0) up to REGISTERS_MAX_M rows and
+    route 4 beyond (the same floats as the forced route; the routes sum in different orders)."""
     blocks = random_blocks(qtype, 40, 512, seed=1)
-    top = REGISTERS_MAX_M[qtype]
-    for m, route in ((1, 3), (top, 3), (top + 1, 4), (64, 4)):
+    top, below = REGISTERS_MAX_M[qtype], BELOW[qtype]
+    for m, route, other in ((1, below, 4), (top, below, 4), (top + 1, 4, below), (64, 4, below)):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         got = qmatmul(x, blocks, qtype, 512)
         assert torch.equal(got, ops.qmatmul(x, blocks, int(qtype), 512, route)), (m, route)
-        assert not torch.equal(got, ops.qmatmul(x, blocks, int(qtype), 512, 7 - route)), (m, route)
+        assert not torch.equal(got, ops.qmatmul(x, blocks, int(qtype), 512, other)), (m, route)
 
 
-@pytest.mark.parametrize("route", [3, 4])
-def test_types_without_int8_refuse_the_route(ops, route: int) -> None:
+def test_routes_refused_where_they_have_no_kernel(ops) -> None:
+    """Route 3 has no Q8_0 / Q4_0 kernel; route 4 takes them only for rows of whole 256-value blocks (rows
+    of 288 values go the bf16 route by default)."""
     for qtype in (Q.Q8_0, Q.Q4_0):
-        with pytest.raises(ValueError, match=f"route {route}"):
-            ops.qmatmul(torch.randn(1, 256), random_blocks(qtype, 2, 256), int(qtype), 256, route)
+        with pytest.raises(ValueError, match="route 3"):
+            ops.qmatmul(torch.randn(1, 256), random_blocks(qtype, 2, 256), int(qtype), 256, 3)
+        blocks = random_blocks(qtype, 3, 288)
+        with pytest.raises(ValueError, match="route 4"):
+            ops.qmatmul(torch.randn(9, 288), blocks, int(qtype), 288, 4)
+        x = torch.randn(9, 288)
+        assert torch.equal(qmatmul(x, blocks, qtype, 288), ops.qmatmul(x, blocks, int(qtype), 288, -1))
 
 
 @pytest.mark.parametrize("route", [3, 4])

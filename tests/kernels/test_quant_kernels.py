@@ -61,10 +61,11 @@ def assert_bf16_close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qt
     assert ours <= 1e-2 * exact.abs().max().item()
 
 
-def q8k_activations(x: torch.Tensor) -> torch.Tensor:
+def q8k_activations(x: torch.Tensor, block: int = 256) -> torch.Tensor:
     """``x`` after llama.cpp's Q8_K quantization (blocks of 256: ``d = 1 / (127 / amax)``, ``round(x * 127 /
-    amax)`` in float32, half to even), as float64: what the int8 route multiplies."""
-    xb = x.reshape(x.shape[0], -1, 256)
+    amax)`` in float32, half to even), as float64: what the int8 routes multiply K-quants with; ``block=32``:
+    the same per 32 values (as llama.cpp's Q8_0), for Q8_0 and Q4_0 weights."""
+    xb = x.reshape(x.shape[0], -1, block)
     amax = xb.abs().amax(-1, keepdim=True)
     # true divisions (a Python number divided by a tensor is a reciprocal times it in torch: 1 ulp off)
     iscale = torch.where(amax == 0, 0.0, torch.full_like(amax, 127.0) / amax.clamp_min(1e-38))
@@ -78,20 +79,24 @@ def q8k_activations(x: torch.Tensor) -> torch.Tensor:
 INT8_RTOL = 1e-6
 
 
-def uses_int8(qtype: Q) -> bool:
-    """Whether rsmem::qmatmul takes the int8 routes (3 and 4) for ``qtype`` here."""
-    ops = build.native_ops()
-    return ops is not None and "vnni" in ops.isa() and qtype in INT8_TYPES
-
-
 INT8_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# Q8_0 and Q4_0 take route 4 (int8 panels, activations per 32 values) from this many rows, k % 256 == 0
+SMALL_PANELS_MIN_M = 7
+
+
+def uses_int8(qtype: Q, m: int, k: int) -> bool:
+    """Whether rsmem::qmatmul takes an int8 route (3 or 4) for ``m`` rows of ``qtype`` here."""
+    ops = build.native_ops()
+    if ops is None or "vnni" not in ops.isa():
+        return False
+    return qtype in INT8_TYPES or (k % 256 == 0 and m >= SMALL_PANELS_MIN_M)
 
 
 def assert_int8_close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qtype: Q, k: int) -> None:
     """``y`` is the product of the Q8_K-quantized activations with the dequantized weights, to
     INT8_RTOL x sum_i |x_i w_i| each output."""
     w = dequantize_rows(blocks, qtype, k).double()
-    want = q8k_activations(x) @ w.T
+    want = q8k_activations(x, 256 if qtype in INT8_TYPES else 32) @ w.T
     magnitude = (x.abs().double() @ w.abs().T).clamp_min(1e-30)
     worst = ((y.double() - want).abs() / magnitude).max().item() if want.numel() else 0.0
     assert worst <= INT8_RTOL, f"int8 route error {worst:.3g} of sum |x w| > {INT8_RTOL}"
@@ -100,7 +105,7 @@ def assert_int8_close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qt
 def assert_default_close(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qtype: Q, k: int) -> None:
     """``y`` from the route rsmem::qmatmul chooses for ``x``'s row count, within that route's bound."""
     ops = build.native_ops()
-    if uses_int8(qtype):
+    if uses_int8(qtype, x.shape[0], k):
         assert_int8_close(y, x, blocks, qtype, k)
     elif x.shape[0] >= 9 and ops is not None and "bf16" in ops.isa():
         assert_bf16_close(y, x, blocks, qtype, k)
@@ -141,9 +146,9 @@ def test_native_dequantize_equals_gguf(qtype: Q) -> None:
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 16, 17, 64, 512])
 def test_qmatmul_matches_reference(qtype: Q, m: int) -> None:
-    """K-quants with AVX512-VNNI: int8 activations (their twin); other types, M <= 8: float32 activations
-    (the reference up to summation order); larger M: the bf16 route where the CPU has AVX512-BF16, else
-    float32 tiles."""
+    """K-quants with AVX512-VNNI, and Q8_0 / Q4_0 from 7 rows: int8 activations (their twin); Q8_0 / Q4_0,
+    M <= 6: float32 activations (the reference up to summation order); without VNNI, M >= 9: the bf16 route
+    where the CPU has AVX512-BF16, else float32 tiles."""
     n, k = 37, 512  # N odd: a last group of fewer than four weight rows
     blocks = random_blocks(qtype, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

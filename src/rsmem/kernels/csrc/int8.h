@@ -26,12 +26,14 @@ namespace rsmem {
 namespace i8 {
 
 // One block of 256 activations: int8 values q, the same plus 128 as uint8 (qu, for products with signed
-// weights), their sums of 16 and of 32 times d (float), and d.
+// weights), their sums of 16 and of 32 times d (float), and d. Quantized per 32 values instead (for Q8_0
+// and Q4_0 weights, as llama.cpp's Q8_0 activations): q and qu, and d32 the scale of each 32 values.
 struct alignas(64) ABlock {
   int8_t q[256];
   uint8_t qu[256];
   float bsum[16];
   float bsum32[8];
+  float d32[8];
   float d;
 };
 
@@ -68,6 +70,31 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, ABlock* out) {
       _mm512_store_ps(o.bsum, _mm512_mul_ps(bs, _mm512_set1_ps(d)));
       for (int j = 0; j < 8; ++j) o.bsum32[j] = static_cast<float>(sums[2 * j] + sums[2 * j + 1]) * d;
       o.d = d;
+    }
+  });
+}
+
+// Quantize M rows of K float32 activations per 32 values (d32 = amax / 127 each) to q, qu and d32.
+inline void quantize_rows_per32(const float* x, int64_t M, int64_t K, ABlock* out) {
+  const int64_t nb = K / 256;
+  at::parallel_for(0, M * nb, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      ABlock& o = out[b];
+      for (int j = 0; j < 8; ++j) {
+        const float* xs = x + b * 256 + 32 * j;
+        const __m512 x0 = _mm512_loadu_ps(xs), x1 = _mm512_loadu_ps(xs + 16);
+        const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float iscale = a == 0.f ? 0.f : 127.f / a;
+        o.d32[j] = a == 0.f ? 0.f : 1.f / iscale;
+        const __m512 is = _mm512_set1_ps(iscale);
+        const __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, is)));
+        const __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, is)));
+        const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+        _mm_store_si128((__m128i*)(o.q + 32 * j), q0);
+        _mm_store_si128((__m128i*)(o.q + 32 * j + 16), q1);
+        _mm_store_si128((__m128i*)(o.qu + 32 * j), _mm_xor_si128(q0, flip));
+        _mm_store_si128((__m128i*)(o.qu + 32 * j + 16), _mm_xor_si128(q1, flip));
+      }
     }
   });
 }
@@ -273,12 +300,16 @@ void matmul_nr(const ABlock* a, const uint8_t* w, float* y, int64_t M, int64_t N
   });
 }
 
-// M rows of K activations quantized (quantize_rows) into `buf`'s storage, 64-byte aligned.
-inline ABlock* quantized(const float* x, int64_t M, int64_t K, at::Tensor& buf) {
+// M rows of K activations quantized (quantize_rows, or per 32 values) into `buf`'s storage, 64-byte aligned.
+inline ABlock* quantized(const float* x, int64_t M, int64_t K, at::Tensor& buf, bool per32 = false) {
   buf = at::empty({static_cast<int64_t>(M * (K / 256) * sizeof(ABlock) + 64)}, at::kByte);
   const uintptr_t raw = reinterpret_cast<uintptr_t>(buf.data_ptr<uint8_t>());
   ABlock* a = reinterpret_cast<ABlock*>((raw + 63) & ~static_cast<uintptr_t>(63));
-  quantize_rows(x, M, K, a);
+  if (per32) {
+    quantize_rows_per32(x, M, K, a);
+  } else {
+    quantize_rows(x, M, K, a);
+  }
   return a;
 }
 

@@ -52,11 +52,36 @@ inline void transpose16(__m512i (&r)[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// 64 values of Q8_0 / Q4_0 (two blocks from `blk`) as int8, and their two scales.
+template <class T>
+RSMEM_INLINE __m512i small_chunk(const uint8_t* blk, float& d0, float& d1) {
+  d0 = f16(blk);
+  d1 = f16(blk + T::TS);
+  if constexpr (std::is_same_v<T, Q8_0>) {
+    const __m256i b0 = _mm256_loadu_si256((const __m256i*)(blk + 2));
+    const __m256i b1 = _mm256_loadu_si256((const __m256i*)(blk + T::TS + 2));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
+  } else {
+    // Q4_0: value i < 16 the low nibble of byte i, 16 + i the high one; q - 8
+    const __m128i b0 = _mm_loadu_si128((const __m128i*)(blk + 2));
+    const __m128i b1 = _mm_loadu_si128((const __m128i*)(blk + T::TS + 2));
+    const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+    // [lo0, lo1, hi0, hi1] -> [lo0, hi0, lo1, hi1]
+    const __m512i ordered = _mm512_shuffle_i32x4(z, z, 0xD8);
+    return _mm512_sub_epi8(_mm512_and_si512(ordered, _mm512_set1_epi8(0x0F)), _mm512_set1_epi8(8));
+  }
+}
+
 template <class T>
 struct Panel {
-  static constexpr bool kSigned = std::is_same_v<T, Q6_K>;  // weights as int8 (q - 32), activations + 128
-  static constexpr int kSub = kSigned ? 16 : 8;             // sub-blocks a block
-  static constexpr int kGroups = 256 / kSub / 4;            // groups of 4 values a sub-block
+  // Q8_0 / Q4_0: blocks of 32 values, each with its own float scale, against activations quantized per 32
+  static constexpr bool kSmall = T::BS == 32;
+  // weights as int8 (Q6_K: q - 32; Q8_0; Q4_0: q - 8), activations + 128
+  static constexpr bool kSigned = std::is_same_v<T, Q6_K> || kSmall;
+  static constexpr int kSub = std::is_same_v<T, Q6_K> ? 16 : 8;  // sub-blocks a block of 256
+  static constexpr int kGroups = 256 / kSub / 4;                 // groups of 4 values a sub-block
+  static constexpr int64_t kBytes = 256 / T::BS * T::TS;        // bytes of 256 values
 
   // Block ib of rows [0, rows) (at most kPanel; the rest zero) of `w` (stride ldw) into p.
   static void pack(const uint8_t* w, int64_t ldw, int rows, int64_t ib, PanelBlock& p) {
@@ -68,24 +93,37 @@ struct Panel {
         for (int s = 0; s < 8; ++s) p.mnf[s][r] = 0.f;
         continue;
       }
-      const uint8_t* blk = w + r * ldw + ib * T::TS;
-      c[0][r] = Int8<T>::template chunk<0>(blk);
-      c[1][r] = Int8<T>::template chunk<1>(blk);
-      c[2][r] = Int8<T>::template chunk<2>(blk);
-      c[3][r] = Int8<T>::template chunk<3>(blk);
-      Scales sc;
-      T::scales(blk, sc);
-      for (int s = 0; s < kSub; ++s) p.scf[s][r] = sc.a[s];
-      if constexpr (kSigned) {
-        // sums of 16 values of q (sums of 8 bytes, vpsadbw), then of q - 32: -128 x that starts each sum
+      const uint8_t* blk = w + r * ldw + ib * kBytes;
+      if constexpr (kSmall) {
         for (int j = 0; j < 4; ++j) {
-          alignas(64) uint64_t e[8];
-          _mm512_store_si512((void*)e, _mm512_sad_epu8(c[j][r], _mm512_setzero_si512()));
-          for (int t = 0; t < 4; ++t) p.init[4 * j + t][r] = -128 * (static_cast<int32_t>(e[2 * t] + e[2 * t + 1]) - 512);
-          c[j][r] = _mm512_sub_epi8(c[j][r], _mm512_set1_epi8(32));
+          c[j][r] = small_chunk<T>(blk + 2 * j * T::TS, p.scf[2 * j][r], p.scf[2 * j + 1][r]);
+          alignas(64) uint64_t e[8];  // sums of 8 values + 128 each
+          const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+          _mm512_store_si512((void*)e, _mm512_sad_epu8(_mm512_xor_si512(c[j][r], flip), _mm512_setzero_si512()));
+          for (int t = 0; t < 2; ++t) {
+            const int64_t sum = static_cast<int64_t>(e[4 * t] + e[4 * t + 1] + e[4 * t + 2] + e[4 * t + 3]) - 128 * 32;
+            p.init[2 * j + t][r] = static_cast<int32_t>(-128 * sum);
+          }
         }
       } else {
-        for (int s = 0; s < 8; ++s) p.mnf[s][r] = sc.b[s];
+        c[0][r] = Int8<T>::template chunk<0>(blk);
+        c[1][r] = Int8<T>::template chunk<1>(blk);
+        c[2][r] = Int8<T>::template chunk<2>(blk);
+        c[3][r] = Int8<T>::template chunk<3>(blk);
+        Scales sc;
+        T::scales(blk, sc);
+        for (int s = 0; s < kSub; ++s) p.scf[s][r] = sc.a[s];
+        if constexpr (kSigned) {
+          // sums of 16 values of q (sums of 8 bytes, vpsadbw), then of q - 32: -128 x that starts each sum
+          for (int j = 0; j < 4; ++j) {
+            alignas(64) uint64_t e[8];
+            _mm512_store_si512((void*)e, _mm512_sad_epu8(c[j][r], _mm512_setzero_si512()));
+            for (int t = 0; t < 4; ++t) p.init[4 * j + t][r] = -128 * (static_cast<int32_t>(e[2 * t] + e[2 * t + 1]) - 512);
+            c[j][r] = _mm512_sub_epi8(c[j][r], _mm512_set1_epi8(32));
+          }
+        } else {
+          for (int s = 0; s < 8; ++s) p.mnf[s][r] = sc.b[s];
+        }
       }
     }
     for (int j = 0; j < 4; ++j) {
@@ -140,6 +178,14 @@ void panel_tile(const PanelBlock* const (&p)[NV], int64_t nb, const ABlock* a, i
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) {
         const __m512 scf = _mm512_load_ps(p[v][ib].scf[s]);
+        if constexpr (P::kSmall) {  // the weights' scale times the activations' of these 32 values
+#pragma GCC unroll 16
+          for (int m = 0; m < MR; ++m) {
+            const __m512 sd = _mm512_mul_ps(scf, _mm512_set1_ps(a[m * lda + ib].d32[s]));
+            total[v][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[v][m]), sd, total[v][m]);
+          }
+          continue;
+        }
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) fblk[v][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[v][m]), scf, fblk[v][m]);
         if constexpr (!P::kSigned) {
@@ -150,6 +196,7 @@ void panel_tile(const PanelBlock* const (&p)[NV], int64_t nb, const ABlock* a, i
         }
       }
     }
+    if constexpr (P::kSmall) continue;
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
       const __m512 dx = _mm512_set1_ps(a[m * lda + ib].d);
@@ -172,8 +219,8 @@ template <class T>
 void matmul_panels(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
   constexpr int NV = 2, MR = 4;
   at::Tensor buf;
-  const ABlock* a = quantized(x, M, K, buf);
-  const int64_t nb = K / 256, ldw = nb * T::TS, rows = NV * kPanel;
+  const ABlock* a = quantized(x, M, K, buf, Panel<T>::kSmall);
+  const int64_t nb = K / 256, ldw = nb * Panel<T>::kBytes, rows = NV * kPanel;
   const int64_t tasks = (N + rows - 1) / rows;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<PanelBlock> packed(NV * nb);

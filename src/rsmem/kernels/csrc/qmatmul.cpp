@@ -14,7 +14,8 @@
 //     activations quantized to 8 bits per 256 values as llama.cpp's Q8_K, integer dot products with
 //     blocks unpacked in registers.
 //   4 "int8 panels" (the same types, larger M; int8_gemm.h): the same integers, weights repacked 16 rows
-//     at a time per task, vpdpbusd.
+//     at a time per task, vpdpbusd. Also Q8_0 and Q4_0 (k a multiple of 256, M >= kSmallPanelsMinM = 7),
+//     against activations quantized per 32 values as llama.cpp's Q8_0.
 // Without AVX-512 at compile time (-march=native on another CPU) every route uses the portable scalar
 // decoders of blocks.h (routes 0 and 1 only).
 #include <ATen/ATen.h>
@@ -39,6 +40,10 @@ constexpr int64_t kTileMinM = 9;
 // Measured on in_proj [3072, 768], 1 thread, CPU time: Q4_K route 3 / 4 at M=4 0.16 / 0.19 ms, M=8 0.31 /
 // 0.25; Q6_K (its panels cost more to pack and sum) M=16 0.78 / 1.00, M=64 2.83 / 2.02. Both are faster
 // than routes 0 and 2 at every M (route 2 at M=512: 17.7 ms; route 4: Q4_K 8.1, Q6_K 11.2).
+// Q8_0 / Q4_0 take route 4 from this many rows (k a multiple of 256): in_proj [3072, 768] Q8_0, 1 thread,
+// CPU time, route 0 / 4: M=6 0.35 / 0.35 ms, M=8 0.47 / 0.38; route 2 / 4: M=64 2.2 / 1.6, M=512 17.0 / 10.4.
+constexpr int64_t kSmallPanelsMinM = 7;
+
 template <class T>
 constexpr int64_t int8_registers_max_m() {
   return std::is_same_v<T, Q6_K> ? 24 : 6;
@@ -313,27 +318,44 @@ constexpr bool has_int8() {
 #endif
 }
 
+// Whether route 4 (int8 panels) has a kernel for T: the int8 types, and Q8_0 / Q4_0 (activations quantized
+// per 32 values as llama.cpp's Q8_0) when k is a multiple of 256.
+template <class T>
+constexpr bool has_panels() {
+#ifdef RSMEM_INT8
+  return has_int8<T>() || std::is_same_v<T, Q8_0> || std::is_same_v<T, Q4_0>;
+#else
+  return false;
+#endif
+}
+
 template <class T>
 at::Tensor run(const at::Tensor& x, const at::Tensor& blocks, int64_t k, int64_t route) {
   const int64_t M = x.size(0), N = blocks.size(0);
-  TORCH_CHECK_VALUE(route < 3 || has_int8<T>(), "route ", route, " (int8) has no kernel for this type here");
+  TORCH_CHECK_VALUE(route != 3 || has_int8<T>(), "route 3 (int8) has no kernel for this type here");
+  TORCH_CHECK_VALUE(route != 4 || (has_panels<T>() && k % 256 == 0),
+                    "route 4 (int8 panels) has no kernel for this type and k here");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (route < 0) {
     if (has_int8<T>()) {
       route = M <= int8_registers_max_m<T>() ? 3 : 4;
+    } else if (has_panels<T>() && k % 256 == 0 && M >= kSmallPanelsMinM) {
+      route = 4;
     } else {
       route = M < kTileMinM ? 0 : kLargeRoute;
     }
   }
 #ifdef RSMEM_INT8
+  if constexpr (has_panels<T>()) {
+    if (route == 4) {
+      i8::matmul_panels<T>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, k);
+      return y;
+    }
+  }
   if constexpr (has_int8<T>()) {
     if (route == 3) {
       i8::matmul<T>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, k);
-      return y;
-    }
-    if (route == 4) {
-      i8::matmul_panels<T>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, k);
       return y;
     }
   }
