@@ -6,6 +6,7 @@ Also: the fixture's HF folder gives exactly the tensors of llama.cpp's GGUF of i
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -117,3 +118,24 @@ def test_hf_folder_gives_llamacpps_tensors() -> None:
         assert torch.equal(hf.tensors[name].reshape(t.shape), t), name
     assert abs(hf.config.eps - gguf.config.eps) < 1e-12  # the GGUF stores it as float32
     assert replace(hf.config, eps=gguf.config.eps) == gguf.config
+
+
+def test_a_conditional_generation_folder_loads_its_language_model(tmp_path: Path) -> None:
+    """``Qwen3_5ForConditionalGeneration`` folders (Qwen's releases): hyperparameters under ``text_config``,
+    the language model's tensors under ``model.language_model.``, vision and MTP tensors beside them."""
+    from safetensors.torch import load_file, save_file
+
+    raw = load_file(FIXTURE / "hf" / "model.safetensors")
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in raw.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    renamed["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    text = json.loads((FIXTURE / "hf" / "config.json").read_text())
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5"}
+    config["text_config"] = text
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((FIXTURE / "hf" / name).read_bytes())
+    got, want = read_checkpoint(tmp_path), read_checkpoint(FIXTURE / "hf")
+    assert got.config == want.config and set(got.tensors) == set(want.tensors)
+    assert all(torch.equal(got.tensors[n], t) for n, t in want.tensors.items())

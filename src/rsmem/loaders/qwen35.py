@@ -252,7 +252,9 @@ def qwen35_checkpoint(folder: Path, config: dict, raw: dict[str, torch.Tensor]) 
         tensor_name(T.TOKEN_EMBD): raw[f"{prefix}embed_tokens.weight"],
         tensor_name(T.OUTPUT_NORM): raw[f"{prefix}norm.weight"] + 1,
     }
-    if "lm_head.weight" in raw and not (config.get("tie_word_embeddings", False)):
+    text = config.get("text_config") or {}
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    if "lm_head.weight" in raw and not tied:
         tensors[tensor_name(T.OUTPUT)] = raw["lm_head.weight"]
     for name, t in raw.items():
         if not name.startswith(f"{prefix}layers."):
