@@ -21,6 +21,7 @@ import rsmem
 from rsmem import Batch, Context
 from rsmem.engine import Engine, SamplingParams
 from rsmem.errors import StateFormatError
+from rsmem.loaders.qwen35 import qwen35_config_from_gguf
 from rsmem.memory import checkpoint, hybrid_state
 from rsmem.memory.hybrid import HybridMemory
 from rsmem.models.ops.delta_net import delta_rule_chunked, delta_rule_ref, l2_norm, unit_lower_inverse
@@ -316,3 +317,31 @@ def test_a_restored_checkpoint_continues_as_a_fresh_sequence(model, unified: boo
         for dest in (0, 2):
             ctx.decode(Batch([tok], seq_ids=[[dest]]))
             _close(ctx.get_logits(-1), fresh.get_logits(-1), 1e-6)
+
+
+def test_gguf_metadata_with_mtp_layers_and_without_layer_flags() -> None:
+    """An MTP block (nextn_predict_layers) is left out of the trunk; without attention.recurrent_layers
+    every full_attention_interval-th layer is attention (llama.cpp's rule)."""
+    meta = {
+        "block_count": 5,
+        "nextn_predict_layers": 1,
+        "attention.recurrent_layers": [True, True, True, False, False],
+        "embedding_length": 64,
+        "feed_forward_length": 128,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "attention.key_length": 16,
+        "ssm.conv_kernel": 4,
+        "ssm.state_size": 16,
+        "ssm.group_count": 2,
+        "ssm.time_step_rank": 4,
+        "ssm.inner_size": 64,
+        "rope.dimension_count": 4,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+    }
+    cfg = qwen35_config_from_gguf(meta.__getitem__, 300, meta.get)
+    assert cfg.n_layer == 4 and cfg.recurrent == (True, True, True, False)
+    del meta["attention.recurrent_layers"], meta["nextn_predict_layers"]
+    meta["block_count"] = 8
+    cfg = qwen35_config_from_gguf(meta.__getitem__, 300, meta.get)
+    assert cfg.recurrent == (True, True, True, False) * 2

@@ -41,18 +41,18 @@ def _flags(value: object, n_layer: int) -> tuple[bool, ...]:
 
 def qwen35_config_from_gguf(key: Key, n_vocab: int, optional: Callable[[str], object | None]) -> Qwen35Config:
     """``qwen35.*`` metadata as llama.cpp's ``llama_model_qwen35::load_arch_hparams`` reads it (the layer
-    kinds from ``attention.recurrent_layers``, else every ``full_attention_interval``-th is attention)."""
+    kinds from ``attention.recurrent_layers``, else every ``full_attention_interval``-th is attention). MTP
+    layers (``nextn_predict_layers``, the last blocks) are left out: the model is the trunk."""
     if optional("expert_count"):
         raise ModelFormatError("Qwen3.5 with experts (qwen35moe) is not supported")
-    if optional("nextn_predict_layers"):
-        raise ModelFormatError("Qwen3.5 with MTP layers (nextn_predict_layers) is not supported")
-    n_layer = _int(key("block_count"), "block_count")
+    n_layer_all = _int(key("block_count"), "block_count")
+    n_layer = n_layer_all - _int(optional("nextn_predict_layers") or 0, "nextn_predict_layers")  # MTP: unused
     flags = optional("attention.recurrent_layers")
     if flags is None:
         interval = _int(optional("full_attention_interval") or 4, "full_attention_interval")
         recurrent = tuple((il + 1) % interval != 0 for il in range(n_layer))
     else:
-        recurrent = _flags(flags, n_layer)
+        recurrent = _flags(flags, n_layer_all)[:n_layer]
     head_dim = _int(key("attention.key_length"), "attention.key_length")
     if _int(optional("attention.value_length") or head_dim, "attention.value_length") != head_dim:
         raise ModelFormatError("attention.value_length differs from attention.key_length")
