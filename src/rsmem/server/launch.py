@@ -34,11 +34,6 @@ from rsmem.server.chat import ChatTemplate, load_chat_template
 from rsmem.server.runner import EngineRunner
 from rsmem.server.state import AppState, ServerSettings
 
-# The event loop and the engine thread share the GIL. At Python's default 5 ms, the loop, after each
-# socket write (which lets the GIL go), could wait up to 5 ms for the engine thread to give it back
-# before streaming the next event: on a small model, a whole step or more.
-SWITCH_INTERVAL = 0.001
-
 
 @dataclass(slots=True)
 class ServeOptions:
@@ -274,7 +269,7 @@ def run_server(
             served.app, log_level=options.log_level, lifespan="on", timeout_graceful_shutdown=2
         )
         server = _GracefulServer(config, served.state, options.shutdown_timeout, stop)
-        with _signals(server), _switch_interval(SWITCH_INTERVAL):
+        with _signals(server):
             server.run(sockets=[sock])
             served.runner.stop()
             out.write(_summary(server.report) + "\n")
@@ -294,17 +289,6 @@ def _summary(r: _Shutdown) -> str:
     done = r.in_flight - r.cancelled
     how = "at a second signal" if r.forced else f"after {r.seconds:.1f} s"
     return f"rsmem serve: stopped: {done} request(s) in flight finished, {r.cancelled} cancelled {how}"
-
-
-@contextlib.contextmanager
-def _switch_interval(seconds: float) -> Iterator[None]:
-    """The interpreter's thread switch interval for the run (restored after it)."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(seconds)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
 
 
 @contextlib.contextmanager
