@@ -139,3 +139,30 @@ def test_a_conditional_generation_folder_loads_its_language_model(tmp_path: Path
     got, want = read_checkpoint(tmp_path), read_checkpoint(FIXTURE / "hf")
     assert got.config == want.config and set(got.tensors) == set(want.tensors)
     assert all(torch.equal(got.tensors[n], t) for n, t in want.tensors.items())
+
+
+def test_convert_matches_llamacpps_converter(tmp_path: Path) -> None:
+    """``rsmem convert`` of the fixture's HF folder: every ``qwen35.*`` key (in llama.cpp's order) and every
+    tensor (name, type, shape, bytes) as llama.cpp's converter wrote them; the file loads and runs."""
+    import gguf
+    import numpy as np
+
+    path = rsmem.convert(FIXTURE / "hf", tmp_path / "m.gguf", "f32")
+    mine, ref = gguf.GGUFReader(path), gguf.GGUFReader(FIXTURE / "model-f32.gguf")
+
+    def arch_fields(r: gguf.GGUFReader) -> list[tuple[str, object]]:
+        keys = [k for k in r.fields if k.startswith("qwen35.") or k == "general.file_type"]
+        return [(k, r.fields[k].contents()) for k in keys]
+
+    assert arch_fields(mine) == arch_fields(ref)
+    got, want = {t.name: t for t in mine.tensors}, {t.name: t for t in ref.tensors}
+    assert set(got) == set(want)
+    for name, t in want.items():
+        g = got[name]
+        assert (g.tensor_type, list(g.shape)) == (t.tensor_type, list(t.shape)), name
+        assert np.array_equal(np.asarray(g.data), np.asarray(t.data)), name
+    ctx = Context(rsmem.load_model(path), n_ctx=256)
+    prompt = [5, 17, 42, 99, 3, 250, 7, 77, 123, 64, 31, 200]
+    ctx.decode(Batch(prompt, logits=[True] * len(prompt)))
+    want_logits = torch.from_numpy(np.load(FIXTURE / "logits-prompt-f32.npy"))
+    assert (ctx.logits - want_logits).abs().max().item() < 2.5e-5

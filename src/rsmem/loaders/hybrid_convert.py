@@ -13,8 +13,10 @@ import gguf
 import torch
 
 from rsmem.loaders.checkpoint import Checkpoint, tensor_name
+from rsmem.loaders.qwen35 import write_qwen35_hparams
 from rsmem.models.lfm2 import Lfm2Config
 from rsmem.models.nemotron_h import NemotronHConfig
+from rsmem.models.qwen35 import Qwen35Config
 
 T = gguf.MODEL_TENSOR
 SSM_CONTEXT_LENGTH = 2**20  # what llama.cpp's converter writes for Nemotron-H (no limit from positions)
@@ -56,6 +58,8 @@ def write_hybrid_hparams(w: gguf.GGUFWriter, ckpt: Checkpoint, file_type: gguf.L
         w.add_rope_scaling_finetuned(False)
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
+    elif isinstance(cfg, Qwen35Config):
+        write_qwen35_hparams(w, cfg, file_type, hf_config)
     else:
         raise ValueError(f"not a hybrid checkpoint: {ckpt.arch}")
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)

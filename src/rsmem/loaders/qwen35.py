@@ -26,7 +26,13 @@ from rsmem.models.qwen35 import (
     Qwen35Weights,
 )
 
-__all__ = ["HF_MODEL_TYPES", "build_qwen35", "qwen35_checkpoint", "qwen35_config_from_gguf"]
+__all__ = [
+    "HF_MODEL_TYPES",
+    "build_qwen35",
+    "qwen35_checkpoint",
+    "qwen35_config_from_gguf",
+    "write_qwen35_hparams",
+]
 
 T = gguf.MODEL_TENSOR
 HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
@@ -131,6 +137,33 @@ def build_qwen35(
         lm_head=ckpt.get(head, (cfg.n_vocab, d)) if head in ckpt.tensors else emb,
     )
     return Qwen35Model(cfg, weights, dtype=dtype, compile=compile)
+
+
+def write_qwen35_hparams(
+    w: gguf.GGUFWriter, cfg: Qwen35Config, file_type: gguf.LlamaFileType, hf_config: dict
+) -> None:
+    """The ``qwen35.*`` keys llama.cpp's converter writes (``rsmem convert``), in its order."""
+    text = hf_config.get("text_config") or hf_config
+    w.add_block_count(cfg.n_layer)
+    w.add_context_length(int(text.get("max_position_embeddings", cfg.n_ctx_train)))
+    w.add_embedding_length(cfg.d_model)
+    w.add_feed_forward_length(cfg.d_ff)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_head_kv)
+    w.add_rope_dimension_sections(list(cfg.rope_sections))
+    w.add_rope_freq_base(cfg.rope_base)
+    w.add_layer_norm_rms_eps(cfg.eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_file_type(file_type)
+    w.add_ssm_conv_kernel(cfg.d_conv)
+    w.add_ssm_state_size(cfg.d_state)
+    w.add_ssm_group_count(cfg.n_k_heads)
+    w.add_ssm_time_step_rank(cfg.n_v_heads)
+    w.add_ssm_inner_size(cfg.d_inner)
+    w.add_array("qwen35.attention.recurrent_layers", list(cfg.recurrent))  # no writer method in this gguf
+    w.add_full_attention_interval(int(text.get("full_attention_interval", 4)))
+    w.add_rope_dimension_count(cfg.n_rot)
 
 
 # ------------------------------------------------------------------ HF folders
