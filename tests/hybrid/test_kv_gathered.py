@@ -87,3 +87,24 @@ def test_gathered_attention_matches_the_whole_stream(arch: str, monkeypatch: pyt
     assert none == 0 and used >= 3  # the decode steps took the gathered path
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("n", "n_head_kv"), [(1, 4), (3, 4), (16, 12), (5, 1)])
+def test_grouped_attention_equals_sdpa(n: int, n_head_kv: int) -> None:
+    """The direct products for a few queries a row give SDPA's result (grouped query heads included)."""
+    gen = torch.Generator().manual_seed(n)
+    b, m, n_head, d = 3, 40, 12, 16
+    q = torch.randn(b, n, n_head, d, generator=gen)
+    keys, values = (
+        torch.randn(b, m, n_head_kv, d, generator=gen),
+        torch.randn(b, m, n_head_kv, d, generator=gen),
+    )
+    mask = torch.rand(b, n, m, generator=gen) < 0.6
+    mask[..., 0] = True
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None], scale=0.3,
+        enable_gqa=True,
+    ).transpose(1, 2)  # fmt: skip
+    got = kv_attention.grouped_attention(q, keys, values, mask, 0.3)
+    assert n <= kv_attention.FEW_QUERIES
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)

@@ -153,14 +153,10 @@ class KVCacheContext:
             return self._attend_gathered(il, q, compact, scale, n_head_kv, d_v)
         n = mask.shape[1]
         keys, values = self._streams(self.cache.k_l[il], n_kv), self._streams(self.cache.v_l[il], n_kv)
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
-        keys = keys.view(n_groups, n_kv, n_head_kv, d_k).transpose(1, 2)  # [G, Hkv, n_kv, d_k]
-        values = values.view(n_groups, n_kv, n_head_kv, d_v).transpose(1, 2)
-        queries = q.reshape(n_groups, n, n_head, d_k).transpose(1, 2)  # [G, H, n, d_k]
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=n_head != n_head_kv
-        )  # [G, H, n, d_v]
-        return out.transpose(1, 2).reshape(n_groups * n, n_head * d_v)
+        keys = keys.to(q.dtype).view(n_groups, n_kv, n_head_kv, d_k)
+        values = values.to(q.dtype).view(n_groups, n_kv, n_head_kv, d_v)
+        out = grouped_attention(q.reshape(n_groups, n, n_head, d_k), keys, values, mask, scale)
+        return out.reshape(n_groups * n, n_head * d_v)
 
     # ------------------------------------------------ attention over gathered cells
 
@@ -187,17 +183,44 @@ class KVCacheContext:
         flat = index.view(-1).to(k_all.device)
         keys = k_all.view(-1, k_all.shape[-1]).index_select(0, flat).to(q.dtype)
         values = v_all.view(-1, v_all.shape[-1]).index_select(0, flat).to(q.dtype)
-        keys = keys.view(n_rows, width, n_head_kv, d_k).transpose(1, 2)  # [T, Hkv, W, d_k]
-        values = values.view(n_rows, width, n_head_kv, d_v).transpose(1, 2)
+        keys, values = keys.view(n_rows, width, n_head_kv, d_k), values.view(n_rows, width, n_head_kv, d_v)
+        queries = q.reshape(n_rows, 1, n_head, d_k)
+        out = grouped_attention(queries, keys, values, valid.to(q.device)[:, None, :], scale)
+        return out.reshape(n_rows, n_head * d_v)
+
+
+# queries a batch row at most for grouped_attention's direct products (more: SDPA's flash kernel)
+FEW_QUERIES = 16
+
+
+def grouped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of ``q`` ``[B, n, H, d_k]`` over ``keys`` ``[B, m, Hkv, d_k]`` and ``values`` ``[B, m, Hkv,
+    d_v]`` where ``mask`` ``[B, n, m]`` allows; query head ``h`` reads KV head ``h // (H / Hkv)``. Returns
+    ``[B, n, H, d_v]``.
+
+    For a few queries a row (decode) the scores are two batched products over the grouped heads, each KV
+    head read once for all the query heads that share it (SDPA's CPU kernel reads it once per query
+    head: at 4,096 cells, 12 query / 4 KV heads of 64, 2.2 ms against 6.1 ms a layer here). For more,
+    ``scaled_dot_product_attention`` (which does not build the ``[n, m]`` scores of every head)."""
+    n_batch, n, n_head, d_k = q.shape
+    n_head_kv = keys.shape[2]
+    if n > FEW_QUERIES:
         out = F.scaled_dot_product_attention(
-            q.reshape(n_rows, n_head, 1, d_k),
-            keys,
-            values,
-            attn_mask=valid.to(q.device)[:, None, None, :],
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None],
             scale=scale,
             enable_gqa=n_head != n_head_kv,
-        )  # [T, H, 1, d_v]
-        return out.reshape(n_rows, n_head * d_v)
+        )  # [B, H, n, d_v]
+        return out.transpose(1, 2)
+    grouped = q.reshape(n_batch, n, n_head_kv, n_head // n_head_kv, d_k)
+    scores = torch.einsum("bnhgd,bmhd->bhgnm", grouped, keys).mul_(scale)
+    scores.masked_fill_(~mask[:, None, None], float("-inf"))
+    out = torch.einsum("bhgnm,bmhd->bnhgd", torch.softmax(scores, dim=-1), values)
+    return out.reshape(n_batch, n, n_head, -1)
 
 
 Gathered = tuple[torch.Tensor, torch.Tensor]  # flat K/V row of each token's visible cells, and validity
