@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompiledStep
-from rsmem.models.ops.wkv6 import wkv6_chunked_, wkv6_step_
+from rsmem.models.ops.wkv6 import wkv6_chunked_, wkv6_intra, wkv6_step_
 from rsmem.models.ops.wkv_fused import N6_PER_LAYER, RWKV6_FIELDS, rwkv6_token_one_
 from rsmem.models.ops.wkv_many import rwkv6_token_many_
 from rsmem.models.protocol import StateAccess
@@ -118,6 +118,7 @@ class Rwkv6Model(RwkvModelBase):
             batch_args=batch_args(9, N6_PER_LAYER, self.n_layer),
             mutated=state_args(9, N6_PER_LAYER),
         )
+        self.wkv_intra = CompiledStep(wkv6_intra, batch_args=tuple(range(5)))
 
     def step_fields(self, ly: Rwkv6Layer, operand: Callable[[torch.Tensor], Any]) -> list[Any]:
         return [operand(getattr(ly, n)) if n in self.matrices else getattr(ly, n) for n in RWKV6_FIELDS]
@@ -175,7 +176,7 @@ class Rwkv6Model(RwkvModelBase):
         if n_tokens == 1:
             y = wkv6_step_(wkv, r[:, 0], log_w[:, 0].exp(), k[:, 0], v[:, 0], ly.first).unsqueeze(1)
         else:
-            y = wkv6_chunked_(wkv, r, log_w, k, v, ly.first, cfg.chunk_size)
+            y = wkv6_chunked_(wkv, r, log_w, k, v, ly.first, cfg.chunk_size, self.prefill_intra())
         y = F.group_norm(y.reshape(-1, c), cfg.n_head, ly.ln_x, ly.ln_x_b, GROUP_NORM_EPS)
         return self.held.linear(y.view(n_seqs, n_tokens, c) * g, ly.output)
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompiledStep
-from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_step_
+from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_intra, wkv7_step_
 from rsmem.models.ops.wkv_fused import N_PER_LAYER, RWKV7_FIELDS, rwkv7_token_one_
 from rsmem.models.ops.wkv_many import rwkv7_token_many_
 from rsmem.models.protocol import StateAccess
@@ -137,6 +137,7 @@ class Rwkv7Model(RwkvModelBase):
             batch_args=batch_args(8, N_PER_LAYER, self.n_layer),
             mutated=state_args(8, N_PER_LAYER),
         )
+        self.wkv_intra = CompiledStep(wkv7_intra, batch_args=tuple(range(6)))
 
     def step_fields(self, ly: Rwkv7Layer, operand: Callable[[torch.Tensor], Any]) -> list[Any]:
         fields = []
@@ -210,7 +211,9 @@ class Rwkv7Model(RwkvModelBase):
             y = wkv7_step_(wkv, rh[:, 0], log_w.view(heads)[:, 0].exp(), kh[:, 0], vh[:, 0], -kk[:, 0],
                            (kk * ah)[:, 0]).unsqueeze(1)  # fmt: skip
         else:
-            y = wkv7_chunked_(wkv, rh, log_w.view(heads), kh, vh, -kk, kk * ah, cfg.chunk_size)
+            y = wkv7_chunked_(
+                wkv, rh, log_w.view(heads), kh, vh, -kk, kk * ah, cfg.chunk_size, self.prefill_intra()
+            )
         if ly.ln_x is not None:  # absent in some ARWKV-7 models: no norm
             y = F.group_norm(y.reshape(-1, c), cfg.n_head, ly.ln_x, ly.ln_x_b, GROUP_NORM_EPS).view(heads)
         y = y + (rh * kh * ly.r_k.view(cfg.n_head, cfg.head_size)).sum(-1, keepdim=True) * vh

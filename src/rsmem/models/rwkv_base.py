@@ -152,6 +152,8 @@ class RwkvModelBase:
         self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
         self.compile_decode = False
         self._steps_made = False
+        # the WKV kernel's within-chunk part compiled for prefill (made with the compiled steps)
+        self.wkv_intra: CompiledStep[tuple[torch.Tensor, ...]] | None = None
         self.set_compile(compile)
 
     def _held_layer(self, ly: Any) -> Any:
@@ -197,12 +199,17 @@ class RwkvModelBase:
 
     def make_compiled_steps(self) -> None:
         """Create the compiled steps (``_token_one``: one sequence's whole token; ``_token_many``: one token
-        of each of several sequences)."""
+        of each of several sequences; ``wkv_intra``: the prefill kernel's within-chunk part)."""
         raise NotImplementedError
 
+    def prefill_intra(self) -> CompiledStep[tuple[torch.Tensor, ...]] | None:
+        """The compiled within-chunk part of the WKV prefill kernel when decode steps are compiled, else
+        None (the kernel's eager one)."""
+        return self.wkv_intra if self.compile_decode else None
+
     def warm_up(self) -> float:
-        """Compile the decode steps now on a scratch memory (a prompt, one sequence's token, a token of
-        two sequences); the seconds it took (0: not compiling)."""
+        """Compile the steps now on a scratch memory (a prompt, one sequence's token, a token of two
+        sequences); the seconds it took (0: not compiling)."""
         if not self.compile_decode:
             return 0.0
         from rsmem.batch.batch import Batch  # here: rsmem.context imports the models package

@@ -71,10 +71,13 @@ def wkv7_ref_(
     return torch.stack(ys, dim=1)
 
 
-def chunked_layout(length: int, chunk_size: int) -> tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]:
+def chunked_layout(
+    length: int, chunk_size: int, full: bool = False
+) -> tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]:
     """The chunk length and count for ``length`` tokens, and the function that lays out an input
-    ``[Bs, L, H, N]`` as ``[Bs, H, n_chunks, size, N]`` (zero-padded at the end)."""
-    size = min(chunk_size, length)
+    ``[Bs, L, H, N]`` as ``[Bs, H, n_chunks, size, N]`` (zero-padded at the end). The chunk length is
+    ``chunk_size``, or ``length`` when shorter unless ``full``."""
+    size = chunk_size if full else min(chunk_size, length)
     n_chunks = -(-length // size)
 
     def chunks(x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +86,40 @@ def chunked_layout(length: int, chunk_size: int) -> tuple[int, int, Callable[[to
         return x.view(bs, n_chunks, size, h, n).permute(0, 3, 1, 2, 4)
 
     return size, n_chunks, chunks
+
+
+def wkv7_intra(
+    rc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ac: torch.Tensor, bc: torch.Tensor, lw: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """What each chunk computes by itself, for chunks laid out ``[B, T, N]`` (``B`` = sequences x heads x
+    chunks): the solver of the ``sa`` system ``[B, T, T]``, ``a`` and ``r`` decayed to read the chunk's
+    initial state ``[B, T, K]``, the masked ``r . b`` weights ``[B, T, T]``, the ``a . k`` and ``r . k``
+    terms times ``v`` ``[B, T, V]``, ``b`` decayed to the chunk's end ``[B, T, K]``, the chunk's whole
+    decay ``[B, K]`` and what its keys add to its final state ``[B, V, K]``. Written for inductor to fuse
+    (its exponentials and masks) when compiled."""
+    size = rc.shape[1]
+    c = lw.cumsum(dim=1)  # c_t, inclusive
+    c_prev = c - lw  # c_{t-1}
+    mid = c[:, size // 2 : size // 2 + 1]  # reference point: exponents stay within half a chunk
+    last = c[:, -1:]
+    a_dec = ac * torch.exp(c_prev - mid)
+    r_dec = rc * torch.exp(c - mid)
+    b_inv = bc * torch.exp(mid - c)
+    k_inv = kc * torch.exp(mid - c)
+    strict = torch.ones(size, size, dtype=torch.bool, device=rc.device).tril(-1)
+    incl = torch.ones(size, size, dtype=torch.bool, device=rc.device).tril(0)
+    a_ab = (a_dec @ b_inv.transpose(1, 2)).masked_fill(~strict, 0.0)  # [B, T, T]
+    a_ak = (a_dec @ k_inv.transpose(1, 2)).masked_fill(~strict, 0.0)
+    a_rb = (r_dec @ b_inv.transpose(1, 2)).masked_fill(~incl, 0.0)
+    a_rk = (r_dec @ k_inv.transpose(1, 2)).masked_fill(~incl, 0.0)
+    eye = torch.eye(size, dtype=rc.dtype, device=rc.device)
+    solver = torch.linalg.solve_triangular(eye - a_ab, eye.expand_as(a_ab), upper=False, unitriangular=True)
+    a_start = ac * torch.exp(c_prev)  # a_t e^{c_{t-1}}: reads the chunk's initial state
+    r_start = rc * torch.exp(c)
+    b_end = bc * torch.exp(last - c)  # b_s e^{c_T - c_s}: carries into the chunk's final state
+    k_end = kc * torch.exp(last - c)
+    kv_end = vc.transpose(1, 2) @ k_end  # [B, V, K]
+    return solver, a_start, r_start, a_rb, a_ak @ vc, a_rk @ vc, b_end, torch.exp(last).squeeze(1), kv_end
 
 
 def wkv7_chunked_(
@@ -94,38 +131,21 @@ def wkv7_chunked_(
     a: torch.Tensor,
     b: torch.Tensor,
     chunk_size: int = 64,
+    intra: Callable[..., tuple[torch.Tensor, ...]] | None = None,
 ) -> torch.Tensor:
     """The recurrence over ``L`` tokens, parallel within chunks of ``chunk_size``: ``r, log_w, k, v, a, b``
     ``[Bs, L, H, N]``; updates ``state`` ``[Bs, H, N, N]`` in place and returns ``y`` ``[Bs, L, H, N]``.
 
-    Padding tokens (``k = v = a = b = 0``, no decay) leave the state unchanged."""
+    Padding tokens (``k = v = a = b = 0``, no decay) leave the state unchanged. ``intra``:
+    :func:`wkv7_intra` compiled (:mod:`rsmem.models.compiled`); with it every chunk is ``chunk_size`` tokens
+    (a short prompt is padded), so that one compilation serves every prompt."""
     bs, length, h, n = r.shape
-    size, n_chunks, chunks = chunked_layout(length, chunk_size)
-    rc, kc, vc, ac, bc, lw = (chunks(t) for t in (r, k, v, a, b, log_w))  # [Bs, H, C, T, N]
-    c = lw.cumsum(dim=-2)  # c_t, inclusive
-    c_prev = c - lw  # c_{t-1}
-    mid = c[..., size // 2 : size // 2 + 1, :]  # reference point: exponents stay within half a chunk
-    last = c[..., -1:, :]
-    a_dec = ac * torch.exp(c_prev - mid)
-    r_dec = rc * torch.exp(c - mid)
-    b_inv = bc * torch.exp(mid - c)
-    k_inv = kc * torch.exp(mid - c)
-    strict = torch.ones(size, size, dtype=torch.bool).tril(-1)
-    incl = torch.ones(size, size, dtype=torch.bool).tril(0)
-    a_ab = (a_dec @ b_inv.transpose(-1, -2)).masked_fill(~strict, 0.0)  # [Bs, H, C, T, T]
-    a_ak = (a_dec @ k_inv.transpose(-1, -2)).masked_fill(~strict, 0.0)
-    a_rb = (r_dec @ b_inv.transpose(-1, -2)).masked_fill(~incl, 0.0)
-    a_rk = (r_dec @ k_inv.transpose(-1, -2)).masked_fill(~incl, 0.0)
-    eye = torch.eye(size, dtype=r.dtype)
-    solver = torch.linalg.solve_triangular(eye - a_ab, eye.expand_as(a_ab), upper=False, unitriangular=True)
-    a_start = ac * torch.exp(c_prev)  # a_t e^{c_{t-1}}: reads the chunk's initial state
-    r_start = rc * torch.exp(c)
-    b_end = bc * torch.exp(last - c)  # b_s e^{c_T - c_s}: carries into the chunk's final state
-    k_end = kc * torch.exp(last - c)
-    decay_all = torch.exp(last).squeeze(-2)  # [Bs, H, C, N]
-    ak_v = a_ak @ vc  # [Bs, H, C, T, V]
-    rk_v = a_rk @ vc
-    kv_end = vc.transpose(-1, -2) @ k_end  # [Bs, H, C, V, K]
+    size, n_chunks, chunks = chunked_layout(length, chunk_size, full=intra is not None)
+    flat = (bs * h * n_chunks, size, n)
+    parts = (intra or wkv7_intra)(*(chunks(t).reshape(flat) for t in (r, k, v, a, b, log_w)))
+    solver, a_start, r_start, a_rb, ak_v, rk_v, b_end, decay_all, kv_end = (
+        t.view(bs, h, n_chunks, *t.shape[1:]) for t in parts
+    )  # each [Bs, H, C, ...]
     ys = []
     for i in range(n_chunks):
         s_t = state.transpose(-1, -2)  # [Bs, H, K, V]

@@ -18,6 +18,8 @@ reference point in float32; hence the smaller default chunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rsmem.models.ops.wkv import chunked_layout
@@ -50,6 +52,32 @@ def wkv6_ref_(
     return torch.stack(ys, dim=1)
 
 
+def wkv6_intra(
+    rc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lw: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What each chunk contributes by itself, for chunks laid out ``[B, T, N]`` (``B`` = sequences x heads x
+    chunks; ``u`` ``[B, 1, N]``): the outputs from the chunk's own tokens ``[B, T, V]``, ``r`` decayed to
+    read the chunk's initial state ``[B, T, K]``, the chunk's whole decay ``[B, K]`` and what its tokens add
+    to its final state ``[B, K, V]``. Written for inductor to fuse (compiled, the pairwise decays
+    ``[B, T, T, N]`` become one reduction instead of a tensor)."""
+    size = rc.shape[1]
+    c = lw.cumsum(dim=1)
+    c_prev = c - lw
+    strict = torch.ones(size, size, dtype=torch.bool, device=rc.device).tril(-1)
+    # e^{c_{t-1} - c_s} for s < t: [B, T, T, N], every exponent <= 0
+    expo = (c_prev.unsqueeze(2) - c.unsqueeze(1)).masked_fill(~strict.unsqueeze(-1), float("-inf"))
+    att = (expo.exp() * rc.unsqueeze(2) * kc.unsqueeze(1)).sum(-1)  # [B, T, T]
+    bonus = (rc * kc * u).sum(-1, keepdim=True)  # the current token, through u
+    intra = att @ vc + bonus * vc
+    r_start = rc * torch.exp(c_prev)
+    last = c[:, -1:]
+    k_end = kc * torch.exp(last - c)
+    return intra, r_start, torch.exp(last).squeeze(1), k_end.transpose(1, 2) @ vc
+
+
+Intra = Callable[..., tuple[torch.Tensor, ...]]
+
+
 def wkv6_chunked_(
     state: torch.Tensor,
     r: torch.Tensor,
@@ -58,29 +86,26 @@ def wkv6_chunked_(
     v: torch.Tensor,
     u: torch.Tensor,
     chunk_size: int = 16,
+    intra: Intra | None = None,
 ) -> torch.Tensor:
     """The recurrence over ``L`` tokens, parallel within chunks of ``chunk_size``: ``r, log_w, k, v``
     ``[Bs, L, H, N]``, ``u`` ``[H, N]``; updates ``state`` ``[Bs, H, N, N]`` in place and returns ``y``
-    ``[Bs, L, H, N]``. Padding tokens (``k = v = 0``, no decay) leave the state unchanged."""
+    ``[Bs, L, H, N]``. Padding tokens (``k = v = 0``, no decay) leave the state unchanged.
+
+    ``intra``: :func:`wkv6_intra` compiled (:mod:`rsmem.models.compiled`); with it every chunk is
+    ``chunk_size`` tokens (a short prompt is padded), so that one compilation serves every prompt."""
     bs, length, h, n = r.shape
-    size, n_chunks, chunks = chunked_layout(length, chunk_size)
-    rc, kc, vc, lw = (chunks(t) for t in (r, k, v, log_w))  # [Bs, H, C, T, N]
-    c = lw.cumsum(dim=-2)
-    c_prev = c - lw
-    strict = torch.ones(size, size, dtype=torch.bool).tril(-1)
-    # e^{c_{t-1} - c_s} for s < t: [Bs, H, C, T, T, N], every exponent <= 0
-    expo = (c_prev.unsqueeze(-2) - c.unsqueeze(-3)).masked_fill(~strict.unsqueeze(-1), float("-inf"))
-    att = (expo.exp_().mul_(rc.unsqueeze(-2)).mul_(kc.unsqueeze(-3))).sum(-1)  # [Bs, H, C, T, T]
-    bonus = (rc * kc * u.view(1, h, 1, 1, n)).sum(-1, keepdim=True)  # the current token, through u
-    intra = att @ vc + bonus * vc  # [Bs, H, C, T, V]
-    r_start = rc * torch.exp(c_prev)  # reads the chunk's initial state
-    last = c[..., -1:, :]
-    k_end = kc * torch.exp(last - c)  # carries into the chunk's final state
-    decay_all = torch.exp(last).squeeze(-2)  # [Bs, H, C, N]
-    kv_end = k_end.transpose(-1, -2) @ vc  # [Bs, H, C, K, V]
+    size, n_chunks, chunks = chunked_layout(length, chunk_size, full=intra is not None)
+    flat = (bs * h * n_chunks, size, n)
+    rc, kc, vc, lw = (chunks(t).reshape(flat) for t in (r, k, v, log_w))
+    uc = u.view(1, h, 1, 1, n).expand(bs, h, n_chunks, 1, n).reshape(flat[0], 1, n)
+    parts = (intra or wkv6_intra)(rc, kc, vc, lw, uc)
+    in_chunk, r_start, decay_all, kv_end = (
+        t.view(bs, h, n_chunks, *t.shape[1:]) for t in parts
+    )  # [Bs, H, C, T, V], [Bs, H, C, T, K], [Bs, H, C, K], [Bs, H, C, K, V]
     ys = []
     for i in range(n_chunks):
-        ys.append(r_start[:, :, i] @ state + intra[:, :, i])
+        ys.append(r_start[:, :, i] @ state + in_chunk[:, :, i])
         state.copy_(state * decay_all[:, :, i].unsqueeze(-1) + kv_end[:, :, i])
     y = torch.stack(ys, dim=2)  # [Bs, H, C, T, V]
     return y.permute(0, 2, 3, 1, 4).reshape(bs, n_chunks * size, h, n)[:, :length]
