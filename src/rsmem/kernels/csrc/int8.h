@@ -144,7 +144,8 @@ RSMEM_INLINE void k4_const(const uint8_t* blk, WConst& w) {
   w.d = f16(blk);
   w.sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
   const __m512 all = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm));
-  w.c = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_load_si512(kIdx.min16), all), _mm512_set1_ps(f16(blk + 2)));
+  const __m512 mins = _mm512_permutexvar_ps(_mm512_load_si512(kIdx.min16), all);
+  w.c = _mm512_mul_ps(mins, _mm512_set1_ps(f16(blk + 2)));
 }
 
 // 32 bytes as 64 nibbles: the low nibbles in the low half, the high ones in the high half.
@@ -218,14 +219,18 @@ struct Int8<Q6_K> {
 
 // Chunk C of one block: isum[r][m] += the int16 scales times the u8 x s8 pair sums.
 template <class T, int NR, int MR, int C>
-RSMEM_INLINE void chunk_dot(const uint8_t* wb, int64_t ldw, const ABlock* ab, int64_t lda, const WConst (&wc)[NR],
-                            __m512i (&isum)[NR][MR]) {
+RSMEM_INLINE void chunk_dot(const uint8_t* wb, int64_t ldw, const ABlock* ab, int64_t lda,
+                            const WConst (&wc)[NR], __m512i (&isum)[NR][MR]) {
   __m512i xv[MR];
-  _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) xv[m] = _mm512_load_si512((const void*)(ab[m * lda].q + 64 * C));
-  _Pragma("GCC unroll 16") for (int r = 0; r < NR; ++r) {
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) xv[m] = _mm512_load_si512((const void*)(ab[m * lda].q + 64 * C));
+#pragma GCC unroll 16
+  for (int r = 0; r < NR; ++r) {
     const __m512i q = Int8<T>::template chunk<C>(wb + r * ldw);
     const __m512i s = Int8<T>::template scales<C>(wc[r]);
-    _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) isum[r][m] = _mm512_dpwssd_epi32(isum[r][m], _mm512_maddubs_epi16(q, xv[m]), s);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+      isum[r][m] = _mm512_dpwssd_epi32(isum[r][m], _mm512_maddubs_epi16(q, xv[m]), s);
   }
 }
 
@@ -235,17 +240,22 @@ inline void tile(const uint8_t* w, int64_t ldw, int64_t nb, const ABlock* a, int
                  int64_t ldy, int64_t prefetch_rows) {
   using T8 = Int8<T>;
   __m512 acc[NR][MR];
-  _Pragma("GCC unroll 16") for (int r = 0; r < NR; ++r)
-    _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
   const uint8_t* pf = w + prefetch_rows * ldw;
   for (int64_t ib = 0; ib < nb; ++ib) {
     if (prefetch_rows)
-      for (int off = 0; off < NR * T::TS; off += 64) _mm_prefetch((const char*)(pf + ib * NR * T::TS + off), _MM_HINT_T0);
+      for (int off = 0; off < NR * T::TS; off += 64)
+        _mm_prefetch((const char*)(pf + ib * NR * T::TS + off), _MM_HINT_T0);
     WConst wc[NR];
     __m512i isum[NR][MR];
-    _Pragma("GCC unroll 16") for (int r = 0; r < NR; ++r) {
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) {
       T8::consts(w + r * ldw + ib * T::TS, wc[r]);
-      _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) isum[r][m] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) isum[r][m] = _mm512_setzero_si512();
     }
     const ABlock* ab = a + ib;
     const uint8_t* wb = w + ib * T::TS;
@@ -253,17 +263,21 @@ inline void tile(const uint8_t* w, int64_t ldw, int64_t nb, const ABlock* a, int
     chunk_dot<T, NR, MR, 1>(wb, ldw, ab, lda, wc, isum);
     chunk_dot<T, NR, MR, 2>(wb, ldw, ab, lda, wc, isum);
     chunk_dot<T, NR, MR, 3>(wb, ldw, ab, lda, wc, isum);
-    _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
       const float dx = ab[m * lda].d;
       const __m512 bs = _mm512_load_ps(ab[m * lda].bsum);
-      _Pragma("GCC unroll 16") for (int r = 0; r < NR; ++r) {
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) {
         acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][m]), _mm512_set1_ps(wc[r].d * dx), acc[r][m]);
         acc[r][m] = _mm512_fnmadd_ps(wc[r].c, bs, acc[r][m]);
       }
     }
   }
-  _Pragma("GCC unroll 16") for (int r = 0; r < NR; ++r)
-    _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) y[m * ldy + r] = _mm512_reduce_add_ps(acc[r][m]);
+#pragma GCC unroll 16
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) y[m * ldy + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
 // All M activation rows against NR weight rows, in tiles of MR rows.
@@ -286,7 +300,9 @@ template <class T, int NR, int MR>
 void matmul_nr(const ABlock* a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nb = K / T::BS, ldw = nb * T::TS;
   const int64_t groups = (N + NR - 1) / NR;
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, ldw * NR * std::max<int64_t>(1, M / 8)));
+  // at least ~64 KB of weights (times M / 8) per task, so small matrices are not split into tiny pieces
+  const int64_t work = ldw * NR * std::max<int64_t>(1, M / 8);
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, work));
   const int64_t pf = M <= 8 ? 2 * NR : 0;  // stream the weights ahead when each group is short work
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {

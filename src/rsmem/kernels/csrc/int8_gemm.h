@@ -41,7 +41,8 @@ inline void transpose16(__m512i (&r)[16]) {
     r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
   }
   for (int j = 0; j < 4; ++j) {
-    const __m512i ab_lo = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), ab_hi = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i ab_lo = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44);
+    const __m512i ab_hi = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
     const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
     const __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
     t[j] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);       // column j
@@ -99,9 +100,11 @@ struct Panel {
           c[j][r] = small_chunk<T>(blk + 2 * j * T::TS, p.scf[2 * j][r], p.scf[2 * j + 1][r]);
           alignas(64) uint64_t e[8];  // sums of 8 values + 128 each
           const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-          _mm512_store_si512((void*)e, _mm512_sad_epu8(_mm512_xor_si512(c[j][r], flip), _mm512_setzero_si512()));
+          const __m512i biased = _mm512_xor_si512(c[j][r], flip);
+          _mm512_store_si512((void*)e, _mm512_sad_epu8(biased, _mm512_setzero_si512()));
           for (int t = 0; t < 2; ++t) {
-            const int64_t sum = static_cast<int64_t>(e[4 * t] + e[4 * t + 1] + e[4 * t + 2] + e[4 * t + 3]) - 128 * 32;
+            const uint64_t biased_sum = e[4 * t] + e[4 * t + 1] + e[4 * t + 2] + e[4 * t + 3];
+            const int64_t sum = static_cast<int64_t>(biased_sum) - 128 * 32;
             p.init[2 * j + t][r] = static_cast<int32_t>(-128 * sum);
           }
         }
@@ -118,7 +121,8 @@ struct Panel {
           for (int j = 0; j < 4; ++j) {
             alignas(64) uint64_t e[8];
             _mm512_store_si512((void*)e, _mm512_sad_epu8(c[j][r], _mm512_setzero_si512()));
-            for (int t = 0; t < 4; ++t) p.init[4 * j + t][r] = -128 * (static_cast<int32_t>(e[2 * t] + e[2 * t + 1]) - 512);
+            for (int t = 0; t < 4; ++t)
+              p.init[4 * j + t][r] = -128 * (static_cast<int32_t>(e[2 * t] + e[2 * t + 1]) - 512);
             c[j][r] = _mm512_sub_epi8(c[j][r], _mm512_set1_epi8(32));
           }
         } else {
@@ -163,7 +167,8 @@ void panel_tile(const PanelBlock* const (&p)[NV], int64_t nb, const ABlock* a, i
         __m512i xb[MR];
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) {
-          const uint8_t* src = P::kSigned ? a[m * lda + ib].qu : reinterpret_cast<const uint8_t*>(a[m * lda + ib].q);
+          const ABlock& ab = a[m * lda + ib];
+          const uint8_t* src = P::kSigned ? ab.qu : reinterpret_cast<const uint8_t*>(ab.q);
           xb[m] = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(src + 4 * gi));
         }
 #pragma GCC unroll 16
@@ -187,7 +192,8 @@ void panel_tile(const PanelBlock* const (&p)[NV], int64_t nb, const ABlock* a, i
           continue;
         }
 #pragma GCC unroll 16
-        for (int m = 0; m < MR; ++m) fblk[v][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[v][m]), scf, fblk[v][m]);
+        for (int m = 0; m < MR; ++m)
+          fblk[v][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[v][m]), scf, fblk[v][m]);
         if constexpr (!P::kSigned) {
           const __m512 mn = _mm512_load_ps(p[v][ib].mnf[s]);
 #pragma GCC unroll 16
