@@ -6,6 +6,9 @@
 // the loop). Sums run per sub-block (Q4_K / Q5_K: 32 values; Q6_K: 16) in int32, then times d * sc in
 // float. Q6_K's q - 32 is signed: it takes the activations as uint8 (q + 128), and each sub-block's sum
 // starts at -128 * (sum of its weights), so the integer sums equal route 3's.
+// Q8_0 and Q4_0 (q - 8) weights, signed too, go the same way against activations quantized per 32 values
+// (llama.cpp's Q8_0 activations): a sub-block is one weight block, its sum times the weights' scale and
+// the activations' scale of those 32 values.
 #pragma once
 
 #include "int8.h"
