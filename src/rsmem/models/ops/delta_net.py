@@ -1,4 +1,5 @@
-"""The gated delta rule (Qwen3.5's / Qwen3-Next's linear attention), computed in float32.
+"""The gated delta rule (Qwen3.5's / Qwen3-Next's linear attention), in float32 (the chunked form sums its
+log decays in float64).
 
 One head's state is ``S`` ``[dv, dk]``, llama.cpp's layout (``dk`` fastest: element ``(j, i)`` is
 transformers' ``recurrent_states[h, i, j]``). Per token, with ``q``, ``k`` L2-normalised (``q`` also scaled
@@ -11,8 +12,7 @@ by ``1/sqrt(dk)``), ``g`` the log decay and ``beta`` the write strength::
 :func:`delta_rule_step` runs one token of many sequences, :func:`delta_rule_chunked` a prompt in chunks of
 ``chunk`` tokens (inside a chunk every token at once, in the WY form of transformers'
 ``torch_chunk_gated_delta_rule`` and llama.cpp's ``build_delta_net_chunking``; chunk after chunk for the
-state), and
-:func:`delta_rule_ref` token by token (the reference the chunked form is checked against).
+state), and :func:`delta_rule_ref` token by token (the twin the chunked form is checked against).
 """
 
 from __future__ import annotations
