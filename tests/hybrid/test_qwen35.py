@@ -21,6 +21,8 @@ import rsmem
 from rsmem import Batch, Context
 from rsmem.engine import Engine, SamplingParams
 from rsmem.errors import StateFormatError
+from rsmem.loaders import read_checkpoint
+from rsmem.loaders.hybrid import build_hybrid
 from rsmem.loaders.qwen35 import qwen35_config_from_gguf
 from rsmem.memory import checkpoint, hybrid_state
 from rsmem.memory.hybrid import HybridMemory
@@ -345,3 +347,20 @@ def test_gguf_metadata_with_mtp_layers_and_without_layer_flags() -> None:
     meta["block_count"] = 8
     cfg = qwen35_config_from_gguf(meta.__getitem__, 300, meta.get)
     assert cfg.recurrent == (True, True, True, False) * 2
+
+
+def test_a_tied_head_shares_the_embedding(model) -> None:
+    """Without output.weight the head is the embedding: one held copy (Qwen3.5's small models tie them),
+    the same logits as a file with the embedding written twice."""
+    ckpt = read_checkpoint(FIXTURES / "model-f32.gguf")
+    ckpt.tensors["output.weight"] = ckpt.tensors["token_embd.weight"].clone()
+    untied = build_hybrid(ckpt)
+    del ckpt.tensors["output.weight"]
+    tied = build_hybrid(ckpt)
+    assert isinstance(tied, Qwen35Model) and tied.embedding.data_ptr() == tied.lm_head.data_ptr()
+    logits = []
+    for m in (tied, untied):
+        ctx = _ctx(m)
+        ctx.decode(Batch(PROMPT, logits=[True] * len(PROMPT)))
+        logits.append(ctx.logits)
+    assert torch.equal(logits[0], logits[1])

@@ -190,6 +190,8 @@ class Qwen35Model:
         matrices = hold_all(self.held, [head, *(m for mats in per_layer for m in mats)])
         held = iter(matrices)
         self.lm_head = next(held)  # [in, out]
+        if tied and self.lm_head.t().is_contiguous() and self.lm_head.dtype == f32:
+            self.embedding = self.lm_head.t()  # the held copy, shared (Qwen3.5's small models tie them)
         for ly, mats in zip(self.layers, per_layer, strict=True):
             self._set_layer(ly, [next(held) for _ in mats])
         kv = config.n_head_kv * config.head_dim
