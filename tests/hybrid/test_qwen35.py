@@ -349,7 +349,7 @@ def test_gguf_metadata_with_mtp_layers_and_without_layer_flags() -> None:
     assert cfg.recurrent == (True, True, True, False) * 2
 
 
-def test_a_tied_head_shares_the_embedding(model) -> None:
+def test_a_tied_head_shares_the_embedding() -> None:
     """Without output.weight the head is the embedding: one held copy (Qwen3.5's small models tie them),
     the same logits as a file with the embedding written twice."""
     ckpt = read_checkpoint(FIXTURES / "model-f32.gguf")
