@@ -1,7 +1,8 @@
 """Hybrid checkpoints on disk (``--cache-dir``): version 2 checkpoint files hold the recurrent rows and the
 KV prefix (memory/checkpoint_kv.py); an engine started later over the same folder serves a prompt from
 them with the tokens a fresh sequence gives; a corrupt file is dropped, never served; files of a hybrid
-and of a recurrent memory do not mix; saved slots of a hybrid get no companion file."""
+and of a recurrent memory do not mix; a saved slot's companion file carries its checkpoints with their
+KV rows into a later engine."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import rsmem
 from rsmem import Batch, Context
 from rsmem.engine import Engine, SamplingParams
+from rsmem.engine.kept import companion_path
 from rsmem.memory import checkpoint
 from rsmem.memory import checkpoint_file as cf
 
@@ -125,8 +127,30 @@ def test_a_corrupt_file_is_dropped_not_served(model, tmp_path: Path) -> None:
     assert later.checkpoints.disk.stats.corrupt >= 1
 
 
-def test_a_saved_hybrid_slot_gets_no_companion(model, tmp_path: Path) -> None:
-    engine = engine_for(model, cache_bytes=1 << 24, cache_dir=tmp_path / "cache")
-    run(engine, seq(1, 20), slot=0)
-    engine.slot_save(0, str(tmp_path / "s.ggsq"))
-    assert (tmp_path / "s.ggsq").exists() and not (tmp_path / "s.ggsq.ckpt").exists()
+def test_a_saved_hybrid_slot_carries_its_checkpoints(model, tmp_path: Path) -> None:
+    history = seq(1, 44)
+    diverging = history[:42] + seq(9, 5)  # leaves the history at 42: the checkpoints at 8..40 are along it
+    engine = engine_for(model, cache_bytes=1 << 24, checkpoint_interval=8, prompt_cache=True)
+    run(engine, history, slot=0)
+    path = tmp_path / "s.ggsq"
+    n_tokens, _ = engine.slot_save(0, str(path))
+    assert companion_path(path).is_file()
+    restarted = engine_for(model, cache_bytes=1 << 24, checkpoint_interval=8, prompt_cache=True)
+    assert restarted.slot_restore(0, str(path)) == n_tokens
+    assert restarted.checkpoints is not None and len(restarted.checkpoints) >= 5
+    out = run(restarted, diverging)
+    assert 32 <= out.num_cached_tokens <= 42
+    assert out.outputs[0].token_ids == run(engine_for(model), diverging).outputs[0].token_ids
+
+
+def test_a_hybrid_companion_without_kv_rows_is_not_used(model, tmp_path: Path) -> None:
+    engine = engine_for(model, cache_bytes=1 << 24, checkpoint_interval=8, prompt_cache=True)
+    run(engine, seq(1, 44), slot=0)
+    path = tmp_path / "s.ggsq"
+    engine.slot_save(0, str(path))
+    raw = bytearray(companion_path(path).read_bytes())
+    raw[4:8] = struct.pack("<I", 1)  # claims a recurrent (version 1) file: its layout no longer matches
+    companion_path(path).write_bytes(bytes(raw))
+    restarted = engine_for(model, cache_bytes=1 << 24, checkpoint_interval=8, prompt_cache=True)
+    restarted.slot_restore(0, str(path))
+    assert restarted.checkpoints is not None and len(restarted.checkpoints) == 1  # the restored state only

@@ -26,9 +26,8 @@ Saved slots and sessions carry the checkpoints along their tokens (:meth:`Checkp
 by :mod:`rsmem.engine.kept`), and restoring them adds those back (:meth:`CheckpointCache.add`).
 
 A hybrid model's checkpoints (recurrent rows and the KV prefix, see :mod:`rsmem.memory.checkpoint`) go to
-the cache dir with their KV rows (version 2 files, :mod:`rsmem.memory.checkpoint_kv`); saved slots and
-sessions of a hybrid get no companions (:meth:`along` is empty), and checkpoints without KV rows are
-refused (:meth:`add`).
+the cache dir with their KV rows (version 2 files, :mod:`rsmem.memory.checkpoint_kv`), and so do the
+companions of a hybrid's saved slots and sessions; checkpoints without KV rows are refused (:meth:`add`).
 """
 
 from __future__ import annotations
@@ -201,10 +200,8 @@ class CheckpointCache:
 
     def along(self, tokens: Sequence[int]) -> list[tuple[int, Checkpoint]]:
         """Every checkpoint kept (RAM, then the cache dir) whose tokens are a prefix of ``tokens``, as
-        (n_tokens, checkpoint), shortest first; none for a hybrid model (its checkpoints are not saved)."""
+        (n_tokens, checkpoint), shortest first."""
         found: dict[int, Checkpoint] = {}
-        if self.hybrid:
-            return []
         for n in self.tree.along(tokens):
             match = self.tree.match(tokens, max_len=n, touch=False)
             if match is not None and match.n_tokens == n:
