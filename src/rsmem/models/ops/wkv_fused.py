@@ -36,15 +36,16 @@ def _time_mix_one(
     n = c // n_head
     xr, xw, xk, xv, xa, xg = (x + (prev - x) * lerp.view(6, 1, c)).unbind(0)
     r = gemv(xr, wr)
-    w = torch.exp(-DECAY_SCALE * torch.sigmoid(w0 + F.linear(torch.tanh(F.linear(xw, w1)), w2)))
+    # the low-rank products as fused reductions too (as extern GEMM calls: ~100 calls a token)
+    w = torch.exp(-DECAY_SCALE * torch.sigmoid(w0 + gemv(torch.tanh(gemv(xw, w1)), w2)))
     k = gemv(xk, wk)
     v = gemv(xv, wv)
     if v_first is None:
         v_first = v
     else:
-        v = v + (v_first - v) * torch.sigmoid(v0 + F.linear(F.linear(xv, v1), v2))
-    a = torch.sigmoid(a0 + F.linear(F.linear(xa, a1), a2))
-    g = F.linear(torch.sigmoid(F.linear(xg, g1)), g2)
+        v = v + (v_first - v) * torch.sigmoid(v0 + gemv(gemv(xv, v1), v2))
+    a = torch.sigmoid(a0 + gemv(gemv(xa, a1), a2))
+    g = gemv(torch.sigmoid(gemv(xg, g1)), g2)
     kk = F.normalize((k * k_k).view(n_head, n), dim=-1, p=2.0, eps=1e-12)
     k = k * (1 + (a - 1) * k_a)
     rh, kh, vh, wh = r.view(n_head, n), k.view(n_head, n), v.view(n_head, n), w.view(n_head, n)
@@ -104,14 +105,14 @@ def _rwkv6_time_mix_one(x: torch.Tensor, prev: torch.Tensor, n_head: int, *t: to
     c = x.shape[-1]
     n = c // n_head
     sx = prev - x
-    mixer = torch.tanh(F.linear(x + sx * lerp_x, w1)).view(5, 1, -1)  # [5, 1, extra]
+    mixer = torch.tanh(gemv(x + sx * lerp_x, w1)).view(5, 1, -1)  # [5, 1, extra]; products: see RWKV-7's
     offsets = (w2 * mixer).sum(-1)  # [5, C]
     xw, xk, xv, xr, xg = (x + sx * (offsets + lerp)).unbind(0)
     r = gemv(xr.unsqueeze(0), wr).view(n_head, n)
     k = gemv(xk.unsqueeze(0), wk).view(n_head, n)
     v = gemv(xv.unsqueeze(0), wv).view(n_head, n)
     g = F.silu(gemv(xg.unsqueeze(0), wg))
-    w = torch.exp(-torch.exp(decay + F.linear(torch.tanh(F.linear(xw, decay_w1)), decay_w2))).view(n_head, n)
+    w = torch.exp(-torch.exp(decay + gemv(torch.tanh(gemv(xw, decay_w1)), decay_w2))).view(n_head, n)
     state = wkv[0]  # [H, K, V]
     y = (state * r.unsqueeze(-1)).sum(-2) + (r * u * k).sum(-1, keepdim=True) * v  # [H, V]
     state.copy_(state * w.unsqueeze(-1) + k.unsqueeze(-1) * v.unsqueeze(-2))
