@@ -139,7 +139,7 @@ def test_a_saved_hybrid_slot_carries_its_checkpoints(model, tmp_path: Path) -> N
     assert restarted.slot_restore(0, str(path)) == n_tokens
     assert restarted.checkpoints is not None and len(restarted.checkpoints) >= 5
     out = run(restarted, diverging)
-    assert 32 <= out.num_cached_tokens <= 42
+    assert out.num_cached_tokens == 40
     assert out.outputs[0].token_ids == run(engine_for(model), diverging).outputs[0].token_ids
 
 
