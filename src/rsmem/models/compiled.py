@@ -95,12 +95,17 @@ class CompiledStep(Generic[R]):
         *,
         batch_args: tuple[int, ...] = (),
         mutated: tuple[int, ...] | Callable[[int], bool] = (),
+        options: dict[str, Any] | None = None,
     ) -> None:
+        """``options``: inductor options beside :data:`INDUCTOR_OPTIONS` (e.g. ``cpp.min_chunk_size``)."""
         self.fn = fn
         self.batch_args = batch_args
         self._mutated = mutated if callable(mutated) else mutated.__contains__
         self._compiled = torch.compile(
-            fn, fullgraph=True, dynamic=None if batch_args else False, options=dict(INDUCTOR_OPTIONS)
+            fn,
+            fullgraph=True,
+            dynamic=None if batch_args else False,
+            options={**INDUCTOR_OPTIONS, **(options or {})},
         )
         if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
