@@ -27,6 +27,12 @@ from rsmem.models.compiled import CompiledStep
 from rsmem.models.ops.fused import gemv, matmul_rows
 from rsmem.models.ops.hybrid_fused import ATTN_IN_BATCH, ATTN_IN_TENSORS, Block, chain
 
+# Several sequences' chains: inductor runs a kernel on one thread when each thread's share would be under
+# this many elements (its default is 512) at the batch size it compiled with. The glue between the
+# products (norms, the short convolution, SwiGLU: [Bs, <= 3d]) then runs where it is, with no hand-off to
+# the other thread; Mamba-2's state update ([Bs, H, P, N], 196,608 a sequence here) stays parallel.
+MANY_MIN_CHUNK = 1 << 16
+
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
@@ -73,7 +79,8 @@ class Chains:
             product = matmul_rows if self.many else gemv
             fn = chain(blocks, tail, consts, product)
             batch_args = tuple(batch) if self.many else ()
-            found = CompiledStep(fn, batch_args=batch_args, mutated=tuple(mutated))
+            options = {"cpp.min_chunk_size": MANY_MIN_CHUNK} if self.many else None
+            found = CompiledStep(fn, batch_args=batch_args, mutated=tuple(mutated), options=options)
             self._steps[key] = found
         return found
 
