@@ -107,3 +107,25 @@ def test_grouped_attention_equals_sdpa(n: int, n_head_kv: int) -> None:
     ).transpose(1, 2)  # fmt: skip
     got = kv_attention.grouped_attention(q, keys, values, kv_attention.additive(mask), 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
+def test_small_attention_runs_on_one_thread_and_restores_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    real = torch.matmul
+
+    def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return real(a, b)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(torch, "matmul", matmul)
+        q, kv = torch.randn(2, 1, 12, 16), torch.randn(2, 10, 4, 16)
+        kv_attention.grouped_attention(q, kv, kv, torch.zeros(2, 1, 10), 0.25)
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+        big = torch.randn(1, kv_attention.ONE_THREAD_KV // 64, 4, 16)
+        kv_attention.grouped_attention(q[:1], big, big, torch.zeros(1, 1, big.shape[1]), 0.25)
+        assert seen[2:] == [2, 2]
+    finally:
+        torch.set_num_threads(before)
