@@ -19,12 +19,16 @@ Per layer: ``x += op(rms_norm(x))``, then ``x += swiglu(rms_norm(x))`` (the seco
 
 Norm weights are llama.cpp's (the converter stores transformers' zero-centred ``w`` as ``1 + w``, except
 the delta net's output norm). After the last layer: RMS norm and the LM head. Matrices are held as the other
-hybrids hold theirs (:func:`~rsmem.models.hybrid_layers.hold_all`); everything runs eagerly.
+hybrids hold theirs (:func:`~rsmem.models.hybrid_layers.hold_all`). A decode step (one token of each
+sequence) runs as compiled chains between the attention layers when the model compiles
+(:mod:`rsmem.models.qwen35_decode`, :mod:`rsmem.models.compiled`'s policy and checked fallback); prefill is
+eager.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -33,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
-from rsmem.models.compiled import CompileSetting
+from rsmem.models.compiled import CompileSetting, resolve_compile
 from rsmem.models.hybrid_layers import (
     HeldMatrices,
     HybridStates,
@@ -45,8 +49,10 @@ from rsmem.models.hybrid_layers import (
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.delta_net import delta_rule, l2_norm
+from rsmem.models.ops.fused import Packed, RowsOperand
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.protocol import StateAccess
+from rsmem.models.qwen35_decode import AttnIn, DeltaDims, QwenChains
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -169,16 +175,14 @@ class Qwen35Model:
         dtype: torch.dtype = torch.float32,
         compile: CompileSetting = None,
     ) -> None:
-        """``dtype``: the matrices' and the head's (float32 or bfloat16; the rest is float32); ``compile``
-        is accepted for the loaders' sake: this model's steps run eagerly."""
-        del compile
+        """``dtype``: the matrices' and the head's (float32 or bfloat16; the rest is float32); ``compile``:
+        see :meth:`set_compile`."""
         self.config = config
         self.n_vocab = config.n_vocab
         self.n_layer = config.n_layer
         self.n_embd_r = (config.d_conv - 1) * config.conv_dim
         self.n_embd_s = config.n_v_heads * config.dv * config.dk
         self.tokenizer: Tokenizer | None = None
-        self.compile_decode = False
         f32 = torch.float32
         self.held = HeldMatrices(dtype)
         self.embedding = weights.embedding.to(f32).contiguous()
@@ -198,6 +202,11 @@ class Qwen35Model:
         self.kv_layers: Mapping[int, tuple[int, int]] = {
             il: (kv, kv) for il in range(config.n_layer) if not config.recurrent[il]
         }
+        self._n_matrix_weights = sum(m.numel() for m in matrices)
+        # the one-sequence chains stream [out, in] rows: float32 matrices held as views of them
+        self._rows_contiguous = all(m.dtype == f32 and m.t().is_contiguous() for m in matrices)
+        self.compile_decode = False
+        self.set_compile(compile)
 
     @staticmethod
     def _layer_matrices(ly: Qwen35Layer) -> list[torch.Tensor]:
@@ -248,12 +257,31 @@ class Qwen35Model:
         return apply_rope(heads, *rope_tables(delta, cfg.rope_base, cfg.n_rot)).reshape(rows.shape)
 
     def set_compile(self, setting: CompileSetting) -> bool:
-        """Nothing compiles for this model yet: always False."""
-        del setting
-        return False
+        """Whether decode steps run compiled (:mod:`rsmem.models.compiled`: ``"auto"``, True/False,
+        ``"1"``/``"0"``; None reads ``RSMEM_COMPILE``); only with float32 ``[out, in]`` rows. Returns the
+        decision."""
+        decided = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
+        self.compile_decode = decided and self._rows_contiguous
+        if self.compile_decode and not hasattr(self, "_chains"):
+            cfg = self.config
+            dims = DeltaDims(cfg.n_k_heads, cfg.n_v_heads, cfg.dk, cfg.dv, cfg.n_head, cfg.n_head_kv,
+                             cfg.head_dim, cfg.eps)  # fmt: skip
+            self._chains = QwenChains(dims, many=False)
+            self._chains_many = QwenChains(dims, many=True)
+        return self.compile_decode
 
     def warm_up(self) -> float:
-        return 0.0
+        """Compile the decode steps (one sequence, several) now on a scratch memory; the seconds it took (0:
+        not compiling)."""
+        if not self.compile_decode:
+            return 0.0
+        from rsmem.batch.batch import Batch  # here: rsmem.context imports the models package
+        from rsmem.context import Context
+
+        started = time.perf_counter()
+        Context(self, n_ctx=256).decode(Batch([1]))
+        Context(self, n_seq_max=2, n_ctx=512).decode(Batch([1, 1], seq_ids=[[0], [1]]))
+        return time.perf_counter() - started
 
     # ---------------------------------------------------------------- forward
 
@@ -262,6 +290,10 @@ class Qwen35Model:
         hybrid = cast(HybridStates, states)
         cfg = self.config
         tokens = ubatch.token_tensor()  # [Bs, L]
+        if self.compile_decode and tokens.shape[1] == 1:
+            logits = self._decode(tokens[:, 0], ubatch, hybrid)
+            if logits is not None:
+                return logits
         rope: RopeTables | None = None
         linear = self.held.linear
         x = self.embedding[tokens]  # [Bs, L, d_model]
@@ -327,3 +359,59 @@ class Qwen35Model:
         out = states.attention(il, q, k, v.reshape(-1, nkv, hd), 1.0 / math.sqrt(hd), ubatch)
         out = out * torch.sigmoid(gate.reshape(-1, nh * hd))
         return self.held.linear(out, att.wo_t).view(n_seqs, n_tokens, -1)
+
+    def _decode(self, tokens: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
+        """One token of each sequence (``tokens`` ``[Bs]``) as the compiled chains of
+        :mod:`rsmem.models.qwen35_decode` (one sequence streams ``[out, in]`` rows, several use the packed
+        twins); None (nothing read) when the state rows are not float32."""
+        cfg = self.config
+        rows = {il: states.read_states(il) for il in range(self.n_layer) if cfg.recurrent[il]}
+        if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows.values()):
+            return None  # decoded eagerly: reading the rows again is harmless
+        n_seqs = tokens.shape[0]
+        many = n_seqs > 1
+        mat = self._rows_operand if many else Qwen35Model._out_in
+        cos, sin = rope_tables(torch.tensor(ubatch.pos, dtype=torch.long), cfg.rope_base, cfg.n_rot)
+        layers: list[tuple[object, ...] | AttnIn] = []
+        for il, ly in enumerate(self.layers):
+            assert ly.gate_up_t is not None and ly.down_t is not None
+            ffn = (ly.post_norm, mat(ly.gate_up_t), mat(ly.down_t))
+            if ly.delta is None:
+                att = ly.attention
+                assert att is not None and att.wqkv_t is not None and att.wo_t is not None
+                attn_in = (ly.attn_norm, mat(att.wqkv_t), att.q_norm, att.k_norm, cos, sin)
+                layers.append(AttnIn(il, attn_in, (mat(att.wo_t), *ffn)))
+                continue
+            d = ly.delta
+            assert d.in_t is not None and d.out_t is not None
+            r, s = rows[il]
+            window = r.view(n_seqs, cfg.conv_dim, cfg.d_conv - 1)
+            state = s.view(n_seqs, cfg.n_v_heads, cfg.dv, cfg.dk)
+            layers.append((ly.attn_norm, mat(d.in_t), d.conv, d.dt_bias, d.a, d.norm, mat(d.out_t), *ffn,
+                           window, state))  # fmt: skip
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+
+        def attend(il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return states.attention(il, q, k, v, scale, ubatch)
+
+        x = self.embedding[tokens]  # [Bs, d_model]
+        if many:
+            h = self._chains_many.run(x, layers, "norm", (self.norm_f,), attend)
+            logits = self.held.linear(output_rows(h, ubatch.output_rows()), self.lm_head)
+        else:
+            logits = self._chains.run(x, layers, "head", (self.norm_f, self._out_in(self.lm_head)), attend)
+            logits = logits[: len(ubatch.output_rows())]
+        for il, (r, s) in rows.items():
+            states.write_states(il, r.view(n_seqs, cfg.conv_dim, cfg.d_conv - 1),
+                                s.view(n_seqs, cfg.n_v_heads, cfg.dv, cfg.dk))  # fmt: skip
+        return logits
+
+    @staticmethod
+    def _out_in(weight_t: torch.Tensor) -> torch.Tensor:
+        """A held ``[in, out]`` matrix as the ``[out, in]`` rows the one-sequence chains stream."""
+        return weight_t.t()
+
+    def _rows_operand(self, weight_t: torch.Tensor) -> RowsOperand:
+        """A held matrix as several rows' products take it: its packed twin, else ``[out, in]``."""
+        packed = self.held.packed.twin(weight_t)
+        return Packed(packed) if packed is not None else weight_t.t()
