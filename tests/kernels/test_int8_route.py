@@ -117,7 +117,7 @@ def test_routes_refused_where_they_have_no_kernel(ops) -> None:
 def test_threads_give_the_same_floats(ops, qtype: Q, route: int) -> None:
     """Outputs split over threads by weight rows: each output is computed the same way whatever the split
     (and the activations are quantized once, before it)."""
-    blocks = random_blocks(qtype, 1001, 768, seed=7)
+    blocks = random_blocks(qtype, 6001, 768, seed=7)  # > 2 MiB: split (csrc/blocks.h's kTaskBytes)
     x = torch.randn(9, 768)
     threads = torch.get_num_threads()
     try:

@@ -14,7 +14,7 @@
 
 #include "blocks.h"
 
-#if defined(RSMEM_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#if defined(RSMEM_AVX512) && defined(__AVX512VNNI__)
 #define RSMEM_INT8 1
 
 #include <ATen/ATen.h>
@@ -300,9 +300,9 @@ template <class T, int NR, int MR>
 void matmul_nr(const ABlock* a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nb = K / T::BS, ldw = nb * T::TS;
   const int64_t groups = (N + NR - 1) / NR;
-  // at least ~64 KB of weights (times M / 8) per task, so small matrices are not split into tiny pieces
+  // at least kTaskBytes of weights (over M / 8) per task: see blocks.h
   const int64_t work = ldw * NR * std::max<int64_t>(1, M / 8);
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, work));
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, work));
   const int64_t pf = M <= 8 ? 2 * NR : 0;  // stream the weights ahead when each group is short work
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
