@@ -1,14 +1,14 @@
 """Building and loading the C++ kernels (``csrc/``) at first use, with a checked fallback.
 
-:func:`native_ops` builds ``csrc/qmatmul.cpp`` with ``torch.utils.cpp_extension.load`` (ninja, ``-O3
--march=native``: AVX-512 code where the CPU has it, else a portable path) into the folder that
-:func:`rsmem.settings.kernels_setting` names, and loads it as torch ops (``torch.ops.rsmem_native``: no
-Python module, so no pybind; with ATen's and torch/library.h's headers instead of torch/extension.h the
-headers compile in ~20 s instead of ~70 s here). The build is cached there, keyed by the sources, flags,
-torch version and the CPU's flags; a later process only loads it. When kernels are disabled
-(``RSMEM_KERNELS=0``) or building or loading fails (no compiler, ninja missing, a compile error), it
-returns None once with a warning, and the callers use the torch reference twin instead (same results
-within the tolerances their tests state).
+:func:`native_ops` builds ``csrc/qmatmul.cpp`` and ``csrc/ssd_scan.cpp`` (Mamba-2's scan) with
+``torch.utils.cpp_extension.load`` (ninja, ``-O3 -march=native``: AVX-512 code where the CPU has it, else a
+portable path) into the folder that :func:`rsmem.settings.kernels_setting` names, and loads it as torch ops
+(``torch.ops.rsmem_native``: no Python module, so no pybind; with ATen's and torch/library.h's headers instead
+of torch/extension.h the headers compile in ~20 s instead of ~70 s here). The build is cached there, keyed by
+the sources, flags, torch version and the CPU's flags; a later process only loads it. When kernels are
+disabled (``RSMEM_KERNELS=0``) or building or loading fails (no compiler, ninja missing, a compile error), it
+returns None once with a warning, and the callers use the torch reference twin instead (same results within
+the tolerances their tests state).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from rsmem import settings
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("qmatmul.cpp",)
+SOURCES = ("qmatmul.cpp", "ssd_scan.cpp")
 HEADERS = ("blocks.h", "int8.h", "int8_gemm.h")
 CFLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp")
 
@@ -100,8 +100,8 @@ def _build() -> Any:
 
 
 def native_ops() -> Any:
-    """``torch.ops.rsmem_native`` (qmatmul, dequantize, isa) once built and loaded, else None (kernels
-    disabled, or the build failed: warned once). The outcome is kept for the process."""
+    """``torch.ops.rsmem_native`` (qmatmul, dequantize, ssd_scan_, isa) once built and loaded, else None
+    (kernels disabled, or the build failed: warned once). The outcome is kept for the process."""
     if "ops" not in _state:
         with _lock:
             if "ops" not in _state:
