@@ -1,6 +1,6 @@
 """What the hybrid models (LFM2, Nemotron-H) share: the memory context their forward reads
 (:class:`HybridStates`), NeoX RoPE, and the attention block with its matrices held as rsmem's other models
-hold theirs (:class:`~rsmem.models.rwkv7.HeldMatrices`: ``[in, out]``, float32 ones with oneDNN twins, so
+hold theirs (:class:`~rsmem.models.ops.packed.HeldMatrices`: ``[in, out]``, float32 ones with oneDNN twins, so
 one-row products stream the ``[out, in]`` rows on every core and several rows use the packed copy).
 
 q, k and v are one product (``wqkv``); after :meth:`Attention.hold` ``wq``, ``wk``, ``wv`` and ``wo`` are
@@ -19,8 +19,8 @@ import torch
 from rsmem.batch.batch import UBatch
 from rsmem.hugepages import huge_page_copies
 from rsmem.models.ops.norm import rms_norm
+from rsmem.models.ops.packed import HeldMatrices
 from rsmem.models.protocol import StateAccess
-from rsmem.models.rwkv7 import HeldMatrices
 
 __all__ = ["Attention", "HeldMatrices", "HybridStates", "RopeTables", "hold_all", "rope_neox", "rope_tables"]
 

@@ -23,7 +23,7 @@ from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.fused import Packed, RowsOperand
 from rsmem.models.ops.norm import rms_norm
-from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
+from rsmem.models.ops.packed import HeldMatrices
 from rsmem.models.protocol import StateAccess
 
 if TYPE_CHECKING:
@@ -63,28 +63,6 @@ class RwkvConfig(Protocol):
     def eps(self) -> float: ...
     @property
     def n_head(self) -> int: ...
-
-
-class HeldMatrices:
-    """A model's big matrices held as rsmem's Mamba models hold theirs (:mod:`rsmem.models.ops.packed`):
-    ``[in, out]`` tensors in the compute dtype, float32 ones with oneDNN twins where packing is available
-    (one-row products stream the ``[out, in]`` matrix, several rows use the packed copy)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self.packing = packing_enabled()
-        self.packed = PackedMatrices()
-
-    def hold(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` ``[out, in]`` as the ``[in, out]`` tensor :meth:`linear` takes."""
-        weight_t = held_matrix(weight, self.dtype, self.packing)
-        if self.packing:
-            self.packed.add(weight_t)
-        return weight_t
-
-    def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-        """``x @ weight_t``, float32 out."""
-        return self.packed.linear(x, weight_t)
 
 
 def token_shift(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

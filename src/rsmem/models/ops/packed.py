@@ -95,3 +95,25 @@ class PackedMatrices:
                 return linear(x, weight_t)
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), plain, None, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[1], None, "none", [], "")
+
+
+class HeldMatrices:
+    """A model's big matrices held as rsmem's Mamba models hold theirs (this module):
+    ``[in, out]`` tensors in the compute dtype, float32 ones with oneDNN twins where packing is available
+    (one-row products stream the ``[out, in]`` matrix, several rows use the packed copy)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.packing = packing_enabled()
+        self.packed = PackedMatrices()
+
+    def hold(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[out, in]`` as the ``[in, out]`` tensor :meth:`linear` takes."""
+        weight_t = held_matrix(weight, self.dtype, self.packing)
+        if self.packing:
+            self.packed.add(weight_t)
+        return weight_t
+
+    def linear(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+        """``x @ weight_t``, float32 out."""
+        return self.packed.linear(x, weight_t)
