@@ -10,9 +10,10 @@ q, k and v are one product (``wqkv``); after :meth:`Attention.hold` ``wq``, ``wk
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -165,3 +166,15 @@ class Attention:
             return rows
         heads = rows.view(-1, self.n_head_kv, self.head_dim)
         return rope_neox(heads, delta, self.rope_base, self.n_rot).reshape(rows.shape)
+
+
+def warm_up_decode(model: Any) -> float:
+    """Run a one-sequence and a two-sequence decode step of ``model`` on scratch memories, so that its
+    compiled steps are compiled now rather than at a request's first token; the seconds it took."""
+    from rsmem.batch.batch import Batch  # here: rsmem.context imports the models package
+    from rsmem.context import Context
+
+    started = time.perf_counter()
+    Context(model, n_ctx=256).decode(Batch([1]))
+    Context(model, n_seq_max=2, n_ctx=512).decode(Batch([1, 1], seq_ids=[[0], [1]]))
+    return time.perf_counter() - started

@@ -16,7 +16,6 @@ the packed twins and a dynamic batch; prefill is eager.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -27,7 +26,15 @@ import torch.nn.functional as F
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompileSetting, resolve_compile
 from rsmem.models.hybrid_decode import AttentionStep, Chains, Step
-from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, RopeTables, hold_all, rope_neox
+from rsmem.models.hybrid_layers import (
+    Attention,
+    HeldMatrices,
+    HybridStates,
+    RopeTables,
+    hold_all,
+    rope_neox,
+    warm_up_decode,
+)
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.fused import Packed, RowsOperand
@@ -191,17 +198,8 @@ class Lfm2Model:
         return self.compile_decode
 
     def warm_up(self) -> float:
-        """Compile the decode steps (one sequence, several) now on a scratch memory; the seconds it took (0:
-        not compiling)."""
-        if not self.compile_decode:
-            return 0.0
-        from rsmem.batch.batch import Batch  # here: rsmem.context imports the models package
-        from rsmem.context import Context
-
-        started = time.perf_counter()
-        Context(self, n_ctx=256).decode(Batch([1]))
-        Context(self, n_seq_max=2, n_ctx=512).decode(Batch([1, 1], seq_ids=[[0], [1]]))
-        return time.perf_counter() - started
+        """Compile the decode steps (one sequence, several) now; the seconds it took (0: not compiling)."""
+        return warm_up_decode(self) if self.compile_decode else 0.0
 
     def rope(self, ubatch: UBatch) -> RopeTables | None:
         """The micro-batch's RoPE tables (every attention layer has the same)."""

@@ -15,7 +15,6 @@ with the packed twins and a dynamic batch.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompileSetting, resolve_compile
 from rsmem.models.hybrid_decode import AttentionStep, Chains, Step
-from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, hold_all
+from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, hold_all, warm_up_decode
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.fused import Packed, RowsOperand, mamba2_layer_many_, mamba2_layer_one_
@@ -202,16 +201,8 @@ class NemotronHModel:
         return self.compile_decode
 
     def warm_up(self) -> float:
-        """Compile the decode steps now on a scratch memory; the seconds it took (0: not compiling)."""
-        if not self.compile_decode:
-            return 0.0
-        from rsmem.batch.batch import Batch  # here: rsmem.context imports the models package
-        from rsmem.context import Context
-
-        started = time.perf_counter()
-        Context(self, n_ctx=256).decode(Batch([1]))
-        Context(self, n_seq_max=2, n_ctx=512).decode(Batch([1, 1], seq_ids=[[0], [1]]))
-        return time.perf_counter() - started
+        """Compile the decode steps (one sequence, several) now; the seconds it took (0: not compiling)."""
+        return warm_up_decode(self) if self.compile_decode else 0.0
 
     def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         """Logits of the micro-batch's output tokens; ``states`` must be a hybrid memory's context."""
