@@ -91,3 +91,17 @@ def load(args: argparse.Namespace, n_seq_max: int) -> LLM:
         sys.stderr.write("[compiling decode steps (torch.compile; cached for later runs)...]\n")
         sys.stderr.write(f"[compiled in {warm_up():.1f} s]\n")
     return llm
+
+
+SCAN_ARCHS = ("mamba2", "nemotron_h")  # models whose prompts of 64+ tokens run the C++ scan
+
+
+def prepare_kernels(model: object) -> bool:
+    """For a server: load (or build, 30-55 s once per machine) the C++ kernels now when ``model``'s
+    prompts will use them, so that no request waits for the build; whether they are loaded."""
+    if getattr(model, "arch", None) not in SCAN_ARCHS:
+        return False
+    from rsmem.kernels.build import native_ops
+
+    sys.stderr.write("[loading the C++ kernels (built once per machine)...]\n")
+    return native_ops() is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rsmem import settings
-from rsmem.cli.model import add_model_options, load, model_path
+from rsmem.cli.model import add_model_options, load, model_path, prepare_kernels
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -121,6 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = bind_socket(options.host, options.port)
     try:
         llm = load(args, n_seq_max=args.parallel)
+        prepare_kernels(llm.model)
     except BaseException:
         sock.close()
         raise
