@@ -55,6 +55,23 @@ def hold_all(held: HeldMatrices, weights: Sequence[torch.Tensor]) -> list[torch.
     return [held.hold(w) for w in weights]
 
 
+def hold_model(
+    held: HeldMatrices,
+    embedding: torch.Tensor,
+    lm_head: torch.Tensor | None,
+    per_layer: Sequence[Sequence[torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor]]]:
+    """A hybrid's head and its layers' matrices held in one :func:`hold_all`: ``(embedding, lm_head [in,
+    out], each layer's held matrices)``. ``lm_head`` None: tied to the float32 ``embedding``, which then
+    becomes a view of the held head where that is float32 and contiguous (one copy, on huge pages)."""
+    head_out_in = embedding if lm_head is None else lm_head
+    matrices = hold_all(held, [head_out_in, *(m for ms in per_layer for m in ms)])
+    head, rest = matrices[0], iter(matrices[1:])
+    if lm_head is None and head.t().is_contiguous() and head.dtype == torch.float32:
+        embedding = head.t()
+    return embedding, head, [[next(rest) for _ in ms] for ms in per_layer]
+
+
 def rope_tables(pos: torch.Tensor, base: float, n_rot: int) -> RopeTables:
     """cos and sin of NeoX RoPE's angles for positions ``pos`` ``[n]``: ``[n, 1, n_rot / 2]`` each (angles
     in float64, as ggml computes them, then float32)."""

@@ -31,7 +31,7 @@ from rsmem.models.hybrid_layers import (
     HeldMatrices,
     HybridStates,
     RopeTables,
-    hold_all,
+    hold_model,
     rope_neox,
     warm_up_decode,
 )
@@ -132,17 +132,13 @@ class Lfm2Model:
         self.held = HeldMatrices(dtype)
         self.embedding = weights.embedding.to(f32).contiguous()
         self.norm_f = weights.norm_f.to(f32)
-        tied = weights.lm_head is weights.embedding
+        head = None if weights.lm_head is weights.embedding else weights.lm_head  # None: tied
         self.layers = weights.layers
         per_layer = [self._layer_matrices(ly) for ly in self.layers]
-        head = self.embedding if tied else weights.lm_head
-        matrices = hold_all(self.held, [head, *(m for mats in per_layer for m in mats)])
-        held = iter(matrices)
-        self.lm_head = next(held)  # [in, out]
-        if tied and self.lm_head.t().is_contiguous() and self.lm_head.dtype == f32:
-            self.embedding = self.lm_head.t()  # the copy on huge pages, shared
-        for ly, mats in zip(self.layers, per_layer, strict=True):
-            self._set_layer(ly, [next(held) for _ in mats])
+        self.embedding, self.lm_head, held = hold_model(self.held, self.embedding, head, per_layer)
+        matrices = [self.lm_head, *(m for mats in held for m in mats)]  # [in, out], the head first
+        for ly, mats in zip(self.layers, held, strict=True):
+            self._set_layer(ly, mats)
         self.kv_layers: Mapping[int, tuple[int, int]] = {
             il: (n * config.head_dim, n * config.head_dim) for il, n in enumerate(config.n_head_kv) if n
         }

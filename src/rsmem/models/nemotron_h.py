@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompileSetting, resolve_compile
 from rsmem.models.hybrid_decode import AttentionStep, Chains, Step
-from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, hold_all, warm_up_decode
+from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, hold_model, warm_up_decode
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.fused import Packed, RowsOperand, mamba2_layer_many_, mamba2_layer_one_
@@ -132,18 +132,13 @@ class NemotronHModel:
         self.held = HeldMatrices(dtype)
         self.embedding = weights.embedding.float().contiguous()
         self.norm_f = weights.norm_f.float()
-        tied = weights.lm_head is weights.embedding
+        head = None if weights.lm_head is weights.embedding else weights.lm_head  # None: tied
         self.layers = weights.layers
         per_layer = [self._layer_matrices(ly) for ly in self.layers]
-        matrices = hold_all(
-            self.held, [self.embedding if tied else weights.lm_head, *(m for mats in per_layer for m in mats)]
-        )
-        held = iter(matrices)
-        self.lm_head = next(held)  # [in, out]
-        if tied and self.lm_head.t().is_contiguous() and self.lm_head.dtype == torch.float32:
-            self.embedding = self.lm_head.t()  # the copy on huge pages, shared
-        for ly, mats in zip(self.layers, per_layer, strict=True):
-            self._set_layer(ly, [next(held) for _ in mats])
+        self.embedding, self.lm_head, held = hold_model(self.held, self.embedding, head, per_layer)
+        matrices = [self.lm_head, *(m for mats in held for m in mats)]  # [in, out], the head first
+        for ly, mats in zip(self.layers, held, strict=True):
+            self._set_layer(ly, mats)
         self.kv_layers: Mapping[int, tuple[int, int]] = {
             il: (n * cfg.head_dim, n * cfg.head_dim)
             for il, n in enumerate(cfg.n_head_kv)

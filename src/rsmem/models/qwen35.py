@@ -19,7 +19,7 @@ Per layer: ``x += op(rms_norm(x))``, then ``x += swiglu(rms_norm(x))`` (the seco
 
 Norm weights are llama.cpp's (the converter stores transformers' zero-centred ``w`` as ``1 + w``, except
 the delta net's output norm). After the last layer: RMS norm and the LM head. Matrices are held as the other
-hybrids hold theirs (:func:`~rsmem.models.hybrid_layers.hold_all`). A decode step (one token of each
+hybrids hold theirs (:func:`~rsmem.models.hybrid_layers.hold_model`). A decode step (one token of each
 sequence) runs as compiled chains between the attention layers when the model compiles
 (:mod:`rsmem.models.qwen35_decode`, :mod:`rsmem.models.compiled`'s policy and checked fallback); prefill is
 eager.
@@ -42,7 +42,7 @@ from rsmem.models.hybrid_layers import (
     HybridStates,
     RopeTables,
     apply_rope,
-    hold_all,
+    hold_model,
     rope_tables,
     warm_up_decode,
 )
@@ -187,17 +187,13 @@ class Qwen35Model:
         self.held = HeldMatrices(dtype)
         self.embedding = weights.embedding.to(f32).contiguous()
         self.norm_f = weights.norm_f.to(f32)
-        tied = weights.lm_head is weights.embedding
+        head = None if weights.lm_head is weights.embedding else weights.lm_head  # None: tied
         self.layers = weights.layers
         per_layer = [self._layer_matrices(ly) for ly in self.layers]
-        head = self.embedding if tied else weights.lm_head
-        matrices = hold_all(self.held, [head, *(m for mats in per_layer for m in mats)])
-        held = iter(matrices)
-        self.lm_head = next(held)  # [in, out]
-        if tied and self.lm_head.t().is_contiguous() and self.lm_head.dtype == f32:
-            self.embedding = self.lm_head.t()  # the held copy, shared (Qwen3.5's small models tie them)
-        for ly, mats in zip(self.layers, per_layer, strict=True):
-            self._set_layer(ly, [next(held) for _ in mats])
+        self.embedding, self.lm_head, held = hold_model(self.held, self.embedding, head, per_layer)
+        matrices = [self.lm_head, *(m for mats in held for m in mats)]  # [in, out], the head first
+        for ly, mats in zip(self.layers, held, strict=True):
+            self._set_layer(ly, mats)
         kv = config.n_head_kv * config.head_dim
         self.kv_layers: Mapping[int, tuple[int, int]] = {
             il: (kv, kv) for il in range(config.n_layer) if not config.recurrent[il]
