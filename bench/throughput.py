@@ -126,23 +126,43 @@ def streamed_bytes(model) -> int:
     """Bytes a one-sequence decode step reads from memory: every matrix once (the head included; the
     embedding only one row), as held (float32, or a quantized matrix's blocks), plus the small tensors:
     the tensors and QuantMatrix objects reachable from the head and the layers (hybrid layers nest their
-    attention and mixer records), each counted once."""
+    attention and mixer records). A tensor's bytes are the span of memory it covers, and overlapping
+    spans count once: views of one matrix (LFM2's ``gate_up`` and its two halves) are read once."""
     from rsmem.models.ops.quantized import QuantMatrix, matrix_bytes
 
     seen: set[int] = set()
+    spans: list[tuple[int, int]] = []  # [start, end) byte addresses of the tensors found
+    quantized = 0
 
-    def walk(obj: object, depth: int = 0) -> int:
+    def walk(obj: object, depth: int = 0) -> None:
+        nonlocal quantized
         if obj is None or id(obj) in seen or depth > 3:
-            return 0
+            return
         seen.add(id(obj))
-        if isinstance(obj, (torch.Tensor, QuantMatrix)):
-            return matrix_bytes(obj)
-        if isinstance(obj, (list, tuple)):
-            return sum(walk(o, depth + 1) for o in obj)
-        names = getattr(obj, "__slots__", None) or list(getattr(obj, "__dict__", {}))
-        return sum(walk(getattr(obj, n, None), depth + 1) for n in names)
+        if isinstance(obj, QuantMatrix):
+            quantized += matrix_bytes(obj)
+        elif isinstance(obj, torch.Tensor):
+            if obj.numel():
+                extent = sum((n - 1) * abs(st) for n, st in zip(obj.shape, obj.stride(), strict=True)) + 1
+                spans.append((obj.data_ptr(), obj.data_ptr() + extent * obj.element_size()))
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                walk(o, depth + 1)
+        else:
+            names = getattr(obj, "__slots__", None) or list(getattr(obj, "__dict__", {}))
+            for n in names:
+                walk(getattr(obj, n, None), depth + 1)
 
-    return walk(model.lm_head) + sum(walk(layer) for layer in model.layers)
+    walk(model.lm_head)
+    for layer in model.layers:
+        walk(layer)
+    total, reached = 0, 0
+    for start, end in sorted(spans):  # the union of the spans
+        start = max(start, reached)
+        if end > start:
+            total += end - start
+            reached = end
+    return total + quantized
 
 
 def matmul_flops_per_token(model) -> int:
