@@ -27,7 +27,7 @@ import torch
 from rsmem import settings
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("qmatmul.cpp", "ssd_scan.cpp")
+SOURCES = ("qmatmul.cpp", "ssd_scan.cpp", "rows_f32.cpp")
 HEADERS = ("blocks.h", "int8.h", "int8_gemm.h")
 CFLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp")
 
