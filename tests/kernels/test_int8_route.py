@@ -1,7 +1,7 @@
 """The int8 routes of rsmem::qmatmul (K-quant weights, activations quantized as llama.cpp's Q8_K, VNNI dot
-products; route 3 unpacks blocks in registers, route 4 repacks 16 weight rows into panels; route 4 also
-takes Q8_0 and Q4_0 against activations quantized per 32 values) against their twin: the quantized
-activations times the dequantized weights."""
+products; route 3 unpacks blocks in registers, route 4 repacks 16 weight rows into panels; both also take
+Q8_0 and Q4_0 against activations quantized per 32 values, as llama.cpp's Q8_0) against their twin: the
+quantized activations times the dequantized weights."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_quant_kernels import (
     INT8_TYPES,
-    SMALL_PANELS_MIN_M,
+    SMALL_REGISTERS_MAX_M,
     Q,
     assert_int8_close,
     q8k_activations,
@@ -42,11 +42,15 @@ def varied_activations(m: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+ALL_INT8 = (*INT8_TYPES, Q.Q8_0, Q.Q4_0)
+
+
+@pytest.mark.parametrize("qtype", ALL_INT8, ids=lambda t: t.name)
 def test_int8_route_matches_its_twin(ops, qtype: Q) -> None:
-    """Every tile shape the route has (groups of 4 weight rows and single rows; 1, 2, then 4 activation
-    rows at a time and the rest), K of one to eight blocks: within 1e-6 of sum |x w| of the twin (a wrong
-    nibble, fifth bit, scale or min order is off by more than 1e-2 of it)."""
+    """Every tile shape route 3 has (groups of 4 weight rows and single rows; 1, 2, then 4 activation
+    rows at a time and the rest), K of one to eight blocks of 256: within 1e-6 of sum |x w| of the twin (a
+    wrong nibble, fifth bit, scale or min order is off by more than 1e-2 of it; for Q8_0 / Q4_0, products
+    summed per int32 lane before the correction for unsigned weights gave 2.5e-6)."""
     for n, m, k in (
         (1, 1, 256),
         (4, 1, 512),
@@ -66,33 +70,32 @@ def test_int8_route_matches_its_twin(ops, qtype: Q) -> None:
         assert bool(torch.isfinite(y).all())
 
 
-@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", ALL_INT8, ids=lambda t: t.name)
 def test_twin_bound_detects_a_wrong_layout(qtype: Q) -> None:
     """The twin's bound fails for weights read in another order: the assertion the route passes is not
     trivially loose (here, values shuffled within each block)."""
     n, k = 8, 512
     blocks = random_blocks(qtype, n, k, seed=3)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(3))
-    w = dequantize_rows(blocks, qtype, k).view(n, -1, 256)
+    block = 256 if qtype in INT8_TYPES else 32
+    w = dequantize_rows(blocks, qtype, k).view(n, -1, block)
     shuffled = w.flip(-1).reshape(n, k)  # the same values, in another order within each block
-    y = (q8k_activations(x) @ shuffled.double().T).float()
+    y = (q8k_activations(x, block) @ shuffled.double().T).float()
     with pytest.raises(AssertionError, match="int8 route error"):
         assert_int8_close(y, x, blocks, qtype, k)
 
 
-# the most rows each type takes route 3 for (csrc/qmatmul.cpp's int8_registers_max_m); beyond, route 4;
-# Q8_0 / Q4_0: route 0 (float32 activations) up to SMALL_PANELS_MIN_M - 1 rows
-REGISTERS_MAX_M = {Q.Q4_K: 6, Q.Q5_K: 6, Q.Q6_K: 24, Q.Q8_0: SMALL_PANELS_MIN_M - 1, Q.Q4_0: 6}
-BELOW = {Q.Q4_K: 3, Q.Q5_K: 3, Q.Q6_K: 3, Q.Q8_0: 0, Q.Q4_0: 0}
+# the most rows each type takes route 3 for (csrc/qmatmul.cpp's int8_registers_max_m); beyond, route 4
+REGISTERS_MAX_M = {Q.Q4_K: 6, Q.Q5_K: 6, Q.Q6_K: 24, **dict.fromkeys((Q.Q8_0, Q.Q4_0), SMALL_REGISTERS_MAX_M)}
 
 
-@pytest.mark.parametrize("qtype", [*INT8_TYPES, Q.Q8_0, Q.Q4_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", ALL_INT8, ids=lambda t: t.name)
 def test_default_route_by_rows(ops, qtype: Q) -> None:
-    """rsmem::qmatmul takes route 3 for K-quants (route 0 for Q8_0 / Q4_0) up to REGISTERS_MAX_M rows and
-    route 4 beyond (the same floats as the forced route; the routes sum in different orders)."""
+    """rsmem::qmatmul takes route 3 up to REGISTERS_MAX_M rows and route 4 beyond (the same floats as the
+    forced route; the routes sum in different orders)."""
     blocks = random_blocks(qtype, 40, 512, seed=1)
-    top, below = REGISTERS_MAX_M[qtype], BELOW[qtype]
-    for m, route, other in ((1, below, 4), (top, below, 4), (top + 1, 4, below), (64, 4, below)):
+    top = REGISTERS_MAX_M[qtype]
+    for m, route, other in ((1, 3, 4), (top, 3, 4), (top + 1, 4, 3), (64, 4, 3)):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         got = qmatmul(x, blocks, qtype, 512)
         assert torch.equal(got, ops.qmatmul(x, blocks, int(qtype), 512, route)), (m, route)
@@ -100,20 +103,20 @@ def test_default_route_by_rows(ops, qtype: Q) -> None:
 
 
 def test_routes_refused_where_they_have_no_kernel(ops) -> None:
-    """Route 3 has no Q8_0 / Q4_0 kernel; route 4 takes them only for rows of whole 256-value blocks (rows
-    of 288 values go the bf16 route by default)."""
+    """Routes 3 and 4 take Q8_0 / Q4_0 only for rows of whole 256-value blocks (rows of 288 values go route
+    0 by default for few rows, the bf16 route for many)."""
     for qtype in (Q.Q8_0, Q.Q4_0):
-        with pytest.raises(ValueError, match="route 3"):
-            ops.qmatmul(torch.randn(1, 256), random_blocks(qtype, 2, 256), int(qtype), 256, 3)
         blocks = random_blocks(qtype, 3, 288)
-        with pytest.raises(ValueError, match="route 4"):
-            ops.qmatmul(torch.randn(9, 288), blocks, int(qtype), 288, 4)
-        x = torch.randn(9, 288)
-        assert torch.equal(qmatmul(x, blocks, qtype, 288), ops.qmatmul(x, blocks, int(qtype), 288, -1))
+        for route, m in ((3, 1), (4, 9)):
+            with pytest.raises(ValueError, match=f"route {route}"):
+                ops.qmatmul(torch.randn(m, 288), blocks, int(qtype), 288, route)
+        for m, route in ((1, 0), (9, -1)):
+            x = torch.randn(m, 288)
+            assert torch.equal(qmatmul(x, blocks, qtype, 288), ops.qmatmul(x, blocks, int(qtype), 288, route))
 
 
 @pytest.mark.parametrize("route", [3, 4])
-@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", ALL_INT8, ids=lambda t: t.name)
 def test_threads_give_the_same_floats(ops, qtype: Q, route: int) -> None:
     """Outputs split over threads by weight rows: each output is computed the same way whatever the split
     (and the activations are quantized once, before it)."""

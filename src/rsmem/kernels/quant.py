@@ -17,14 +17,18 @@ Routes by the number of activation rows ``M`` (the C++ side, ``csrc/qmatmul.cpp`
   more rows (Q4_K / Q5_K from 7, Q6_K from 25; ``csrc/int8_gemm.h``, route 4): 16 weight rows repacked
   per task into 4-value groups, vpdpbusd, 2.2x the bf16 route at 512 rows. Their twin: the Q8_K-quantized
   activations times the dequantized weights (to ~1e-7 of ``sum |x w|``, tests/kernels/test_int8_route.py).
-- Other types, ``M <= 8`` (one-sequence decode, small batches): blocks are dequantized in registers and
+- Q8_0 and Q4_0 on CPUs with AVX512-VNNI, rows of whole 256-value blocks (``k % 256 == 0``), every ``M``:
+  activations quantized per 32 values as llama.cpp's Q8_0 (what llama.cpp multiplies these types with),
+  integer dot products: in registers up to 8 rows (``csrc/int8_small.h``; one row 2x route 0's speed),
+  on the panels beyond. Their twin: the same with 32-value blocks.
+- Otherwise, ``M <= 8`` (one-sequence decode, small batches): blocks are dequantized in registers and
   multiplied with the float32 activations: the reference's values, only the summation order differs
   (~1e-6 of ``sum |x w|``).
-- Other types, larger ``M`` (large batches, prefill), on CPUs with AVX512-BF16: activations are rounded to
+- Otherwise, larger ``M`` (large batches, prefill), on CPUs with AVX512-BF16: activations are rounded to
   bfloat16, tiles of 64 weight rows dequantized to bfloat16 in cache, and multiplied with float32 sums
   (vdpbf16ps): about 2x the float32 GEMM's speed; the error, ~2.5e-3 of the largest output on random
   data, is below what llama.cpp's own 8-bit activation quantization gives (tests/kernels check that).
-- Other types, larger ``M`` without AVX512-BF16: tiles dequantized to float32 and torch's GEMM (the
+- Otherwise, larger ``M`` without AVX512-BF16: tiles dequantized to float32 and torch's GEMM (the
   reference's values).
 
 :func:`qmatmul_ref` is the plain reference twin: dequantize (:func:`dequantize_rows`, gguf's values) in

@@ -27,7 +27,9 @@ namespace i8 {
 
 // One block of 256 activations: int8 values q, the same plus 128 as uint8 (qu, for products with signed
 // weights), their sums of 16 and of 32 times d (float), and d. Quantized per 32 values instead (for Q8_0
-// and Q4_0 weights, as llama.cpp's Q8_0 activations): q and qu, and d32 the scale of each 32 values.
+// and Q4_0 weights, as llama.cpp's Q8_0 activations): q and qu, and d32 the scale of each 32 values; with
+// `q4_order`, q holds each 64 values in Q4_0's nibble order, values [0, 16), [32, 48), [16, 32), [48, 64)
+// (int8_small.h), qu in order.
 struct alignas(64) ABlock {
   int8_t q[256];
   uint8_t qu[256];
@@ -75,7 +77,7 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, ABlock* out) {
 }
 
 // Quantize M rows of K float32 activations per 32 values (d32 = amax / 127 each) to q, qu and d32.
-inline void quantize_rows_per32(const float* x, int64_t M, int64_t K, ABlock* out) {
+inline void quantize_rows_per32(const float* x, int64_t M, int64_t K, ABlock* out, bool q4_order) {
   const int64_t nb = K / 256;
   at::parallel_for(0, M * nb, 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -90,8 +92,9 @@ inline void quantize_rows_per32(const float* x, int64_t M, int64_t K, ABlock* ou
         const __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, is)));
         const __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, is)));
         const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
-        _mm_store_si128((__m128i*)(o.q + 32 * j), q0);
-        _mm_store_si128((__m128i*)(o.q + 32 * j + 16), q1);
+        const int at0 = q4_order ? 64 * (j / 2) + 16 * (j % 2) : 32 * j, at1 = q4_order ? at0 + 32 : at0 + 16;
+        _mm_store_si128((__m128i*)(o.q + at0), q0);
+        _mm_store_si128((__m128i*)(o.q + at1), q1);
         _mm_store_si128((__m128i*)(o.qu + 32 * j), _mm_xor_si128(q0, flip));
         _mm_store_si128((__m128i*)(o.qu + 32 * j + 16), _mm_xor_si128(q1, flip));
       }
@@ -280,25 +283,41 @@ inline void tile(const uint8_t* w, int64_t ldw, int64_t nb, const ABlock* a, int
     for (int m = 0; m < MR; ++m) y[m * ldy + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
+// Q8_0 / Q4_0's tile (int8_small.h), against activations quantized per 32 values.
+template <class T, int NR, int MR>
+void small_tile(const uint8_t* w, int64_t ldw, int64_t nb, const ABlock* a, int64_t lda, float* y,
+                int64_t ldy, int64_t prefetch_rows);
+
+// The tile of T's kind: the K-quants' (above) or Q8_0 / Q4_0's.
+template <class T, int NR, int MR>
+RSMEM_INLINE void any_tile(const uint8_t* w, int64_t ldw, int64_t nb, const ABlock* a, int64_t lda, float* y,
+                           int64_t ldy, int64_t pf) {
+  if constexpr (T::BS == 32) {
+    small_tile<T, NR, MR>(w, ldw, nb, a, lda, y, ldy, pf);
+  } else {
+    tile<T, NR, MR>(w, ldw, nb, a, lda, y, ldy, pf);
+  }
+}
+
 // All M activation rows against NR weight rows, in tiles of MR rows.
 template <class T, int NR, int MR>
 void rows_all_m(const uint8_t* w, int64_t ldw, int64_t nb, const ABlock* a, int64_t M, float* y, int64_t N,
                 int64_t pf) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<T, NR, MR>(w, ldw, nb, a + m * nb, nb, y + m * N, N, pf);
+  for (; m + MR <= M; m += MR) any_tile<T, NR, MR>(w, ldw, nb, a + m * nb, nb, y + m * N, N, pf);
   const ABlock* am = a + m * nb;
   float* ym = y + m * N;
   switch (M - m) {
-    case 3: tile<T, NR, 3>(w, ldw, nb, am, nb, ym, N, pf); break;
-    case 2: tile<T, NR, 2>(w, ldw, nb, am, nb, ym, N, pf); break;
-    case 1: tile<T, NR, 1>(w, ldw, nb, am, nb, ym, N, pf); break;
+    case 3: any_tile<T, NR, 3>(w, ldw, nb, am, nb, ym, N, pf); break;
+    case 2: any_tile<T, NR, 2>(w, ldw, nb, am, nb, ym, N, pf); break;
+    case 1: any_tile<T, NR, 1>(w, ldw, nb, am, nb, ym, N, pf); break;
     default: break;
   }
 }
 
 template <class T, int NR, int MR>
 void matmul_nr(const ABlock* a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t nb = K / T::BS, ldw = nb * T::TS;
+  const int64_t nb = K / 256, ldw = K / T::BS * T::TS;  // blocks of 256 activations; bytes a weight row
   const int64_t groups = (N + NR - 1) / NR;
   // at least kTaskBytes of weights (over M / 8) per task: see blocks.h
   const int64_t work = ldw * NR * std::max<int64_t>(1, M / 8);
@@ -317,23 +336,25 @@ void matmul_nr(const ABlock* a, const uint8_t* w, float* y, int64_t M, int64_t N
 }
 
 // M rows of K activations quantized (quantize_rows, or per 32 values) into `buf`'s storage, 64-byte aligned.
-inline ABlock* quantized(const float* x, int64_t M, int64_t K, at::Tensor& buf, bool per32 = false) {
+inline ABlock* quantized(const float* x, int64_t M, int64_t K, at::Tensor& buf, bool per32 = false,
+                         bool q4_order = false) {
   buf = at::empty({static_cast<int64_t>(M * (K / 256) * sizeof(ABlock) + 64)}, at::kByte);
   const uintptr_t raw = reinterpret_cast<uintptr_t>(buf.data_ptr<uint8_t>());
   ABlock* a = reinterpret_cast<ABlock*>((raw + 63) & ~static_cast<uintptr_t>(63));
   if (per32) {
-    quantize_rows_per32(x, M, K, a);
+    quantize_rows_per32(x, M, K, a, q4_order);
   } else {
     quantize_rows(x, M, K, a);
   }
   return a;
 }
 
-// y = x @ W^T with x quantized to 8 bits per block of 256 (once per product).
+// y = x @ W^T with x quantized to 8 bits (once per product): per block of 256 for the K-quants, per 32
+// values for Q8_0 / Q4_0 (K a multiple of 256).
 template <class T>
 void matmul(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
   at::Tensor buf;
-  const ABlock* a = quantized(x, M, K, buf);
+  const ABlock* a = quantized(x, M, K, buf, T::BS == 32, std::is_same_v<T, Q4_0>);
   if (M == 1) {
     matmul_nr<T, 4, 1>(a, w, y, M, N, K);
   } else if (M == 2) {
