@@ -21,9 +21,10 @@ import torch.nn.functional as F
 
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
-from rsmem.models.ops.fused import Packed, RowsOperand
+from rsmem.models.ops.fused import RowsOperand
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import HeldMatrices
+from rsmem.models.ops.small_rows import SmallRows, rows_operand
 from rsmem.models.protocol import StateAccess
 
 if TYPE_CHECKING:
@@ -165,11 +166,12 @@ class RwkvModelBase:
             self._steps_made = True
         return self.compile_decode
 
-    def rows_operand(self, weight_t: torch.Tensor) -> RowsOperand:
-        """A held ``[in, out]`` matrix as :func:`~rsmem.models.ops.fused.matmul_rows` takes it for several
-        rows: its oneDNN packed twin when it has one, else the ``[out, in]`` view."""
+    def rows_operand(self, weight_t: torch.Tensor) -> RowsOperand | SmallRows:
+        """A held ``[in, out]`` matrix as :func:`~rsmem.models.ops.small_rows.rows_product` takes it for
+        several rows: with its oneDNN packed twin (:func:`~rsmem.models.ops.small_rows.rows_operand`: the
+        few-row kernel too when the C++ kernels are built), else the ``[out, in]`` view."""
         packed = self.held.packed.twin(weight_t)
-        return Packed(packed) if packed is not None else weight_t.t()
+        return rows_operand(weight_t.t(), packed) if packed is not None else weight_t.t()
 
     def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         """The protocol's forward (the subclasses')."""
