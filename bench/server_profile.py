@@ -318,11 +318,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shorts", type=int, default=10, help="short completion requests, one at a time")
     ap.add_argument("--py-spy", default=None, help="py-spy binary: also sample the load phase")
+    ap.add_argument("--compile", default="1", help="decode steps through torch.compile (serve's default: 1)")
     args = ap.parse_args()
     probe = Probe()
     for owner, attr, stage in STAGES:
         probe.wrap(owner, attr, stage)
-    llm = LLM(default_model_path(), n_seq_max=4, n_batch=512, n_threads=args.threads)
+    llm = LLM(default_model_path(), n_seq_max=4, n_batch=512, n_threads=args.threads, compile=args.compile)
+    warm_up = getattr(llm.model, "warm_up", None)
+    if getattr(llm.model, "compile_decode", False) and callable(warm_up):  # as rsmem serve: before serving
+        print(f"compiled decode steps in {warm_up():.1f} s")
     served = build_app(llm, ServeOptions(parallel=4, model_path=default_model_path()))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(served.app, host="127.0.0.1", port=port, log_level="warning"))

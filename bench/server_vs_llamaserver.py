@@ -11,9 +11,11 @@ every request asks for ``stop: ["\\nUser:"]``, temperature 0 and a fixed seed. W
 - ``b``: 64 concurrent streamed ``/v1/completions``, prompts of 8..1024 tokens (log-spaced, shuffled);
 - ``c``: 3 short (3-token) streamed requests on an idle server, then 0.2 s after a ~4000-token prompt.
 
-Rounds alternate the order of the servers (a fresh server each time). Each round's figures are printed;
-the summary gives each server's median, the median of the per-round ratios rsmem / llama-server and the
-worst round for rsmem (the highest ratio of a time, the lowest of a rate).
+Rounds alternate the order of the servers (a fresh server each time). Each round's figures are printed,
+with the server process's CPU seconds for the workload (user + system, from /proc: on a machine others
+load, it says more than wall time); the summary gives each server's median, the median of the per-round
+ratios rsmem / llama-server and the worst round for rsmem (the highest ratio of a time, the lowest of a
+rate).
 
     python bench/server_vs_llamaserver.py [--model embedded|130m|both] [--rounds 3] [--workloads a,b,c]
                                           [--quick]
@@ -146,6 +148,12 @@ class Server:
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"{self.name} not ready after {timeout} s; see {self.log}")
+
+    def cpu_seconds(self) -> float:
+        """The server process's CPU time so far (user + system, all its threads), from /proc."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -394,7 +402,9 @@ def run_server(
         print(f"[{label}] round {rnd + 1} {name:<5} started in {time.perf_counter() - t0:.1f} s", flush=True)
         asyncio.run(warm_up(server.url))
         for w in args.workloads:
+            cpu0 = server.cpu_seconds()
             figures = asyncio.run(WORKLOADS[w](server.url, texts, args))
+            figures["server CPU s"] = server.cpu_seconds() - cpu0
             results[w][rnd][name] = figures
             shown = ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
             print(f"[{label}] round {rnd + 1} {name:<5} {w}: {shown}", flush=True)

@@ -199,3 +199,28 @@ def test_steady_decode_reads_states_without_copying():
     mctx.apply()
     r, s = mctx.read_states(0)
     assert s.data_ptr() == ctx.memory.s_l[0][mctx.head].data_ptr()
+
+
+def test_outputs_of_one_micro_batch_in_order_are_the_models_own_logits():
+    """A decode step (one token a sequence, every one an output) keeps the model's logits as they are."""
+    model, ctx = toy_context(n_seq_max=3)
+    for s in range(3):
+        decode_seq(ctx, s, [1 + s, 2 + s])
+    returned: list[torch.Tensor] = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        returned.append(forward(*args, **kwargs))
+        return returned[-1]
+
+    model.forward = spy
+    ctx.decode(Batch.from_sequences({s: [7 + s] for s in range(3)}))
+    assert len(returned) == 1 and ctx.logits is returned[0]  # not copied
+    for s in range(3):
+        want = model.reference_logits([1 + s, 2 + s, 7 + s])[-1]
+        torch.testing.assert_close(ctx.get_logits(s), want, atol=ATOL, rtol=0)
+    # outputs from two micro-batches are gathered into one new tensor
+    ctx.decode(Batch.from_sequences({0: [4, 5], 1: [6]}, all_logits=True))
+    assert all(ctx.logits is not r for r in returned[1:])
+    want = torch.cat([model.reference_logits([1, 2, 7, 4, 5])[3:], model.reference_logits([2, 3, 8, 6])[3:]])
+    torch.testing.assert_close(ctx.logits, want, atol=ATOL, rtol=0)

@@ -151,9 +151,8 @@ class Context:
         if mctx.status is not MemoryStatus.SUCCESS:
             raise NoSlotError(f"no memory slot for a batch of {balloc.n_tokens} tokens")
 
-        out_indices = [i for i, out in enumerate(balloc.outputs) if out]
-        output_row = {b: k for k, b in enumerate(out_indices)}
-        logits = torch.empty(len(out_indices), self.n_vocab, dtype=torch.float32)
+        output_row = {b: k for k, b in enumerate(i for i, out in enumerate(balloc.outputs) if out)}
+        parts: list[tuple[list[int], torch.Tensor]] = []  # (rows of the step's logits, their logits)
         captured: dict[CaptureKey, Checkpoint] = {}
         try:
             with torch.inference_mode():
@@ -164,7 +163,7 @@ class Context:
                     for sub, ub_logits in self._forward(ub, mctx, plan, capture_codec, captured):
                         rows = [output_row[sub.batch_index[i]] for i in sub.output_rows()]
                         if rows:
-                            logits[rows] = ub_logits
+                            parts.append((rows, ub_logits))
                     if not mctx.next():
                         break
         except BaseException:
@@ -172,9 +171,23 @@ class Context:
             for seq in {s for ids in balloc.seq_ids for s in ids}:
                 self.memory.seq_rm(seq, -1, -1)
             raise
-        self._logits = logits
+        self._logits = self._gather_logits(parts, len(output_row))
         self._output_row = output_row
         self._captured = captured
+
+    def _gather_logits(self, parts: list[tuple[list[int], torch.Tensor]], n_out: int) -> torch.Tensor:
+        """The step's ``[n_out, n_vocab]`` float32 logits from the micro-batches' ``(rows, logits)``: the
+        model's own tensor when one micro-batch gave every row in order (a decode step, most prefill
+        steps), else a new tensor filled row by row."""
+        if len(parts) == 1:
+            rows, only = parts[0]
+            in_order = only.dtype == torch.float32 and only.shape == (n_out, self.n_vocab)
+            if in_order and rows == list(range(n_out)):
+                return only
+        logits = torch.empty(n_out, self.n_vocab, dtype=torch.float32)
+        for rows, ub_logits in parts:
+            logits[rows] = ub_logits
+        return logits
 
     def _forward(
         self,
@@ -221,7 +234,9 @@ class Context:
 
     @property
     def logits(self) -> torch.Tensor:
-        """Logits of the last decode's output tokens, in batch order: ``[n_outputs, n_vocab]``."""
+        """Logits of the last decode's output tokens, in batch order: ``[n_outputs, n_vocab]``. Often the
+        model's own output tensor (no copy), made under ``torch.inference_mode``: read it, or clone it to
+        change it in place."""
         return self._logits
 
     def get_logits(self, i: int) -> torch.Tensor:

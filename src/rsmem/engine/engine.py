@@ -276,9 +276,9 @@ class Engine:
                 self.health.step_succeeded()
                 self._commit(plan)
                 self.output.process(plan, self.ctx.logits, touched)
-        for req in [r for r in self.requests.values() if r.finished]:
+        for req in self.lifecycle.take_ended():  # not a scan of every request: the queue may be long
             touched[req.request_id] = req
-            del self.requests[req.request_id]
+            self.requests.pop(req.request_id, None)
         return [report(r) for r in touched.values()]
 
     def _admit(self) -> None:

@@ -30,6 +30,7 @@ class Lifecycle:
         self.checkpoints = checkpoints
         self.stats = stats
         self.running = running
+        self.ended: list[Request] = []  # requests finished since the engine last took them (``take_ended``)
 
     def finish(self, req: Request, c: Completion, reason: FinishReason, *, flush: bool = True) -> None:
         """End one completion (EOS, a stop string, its length); its request ends with its last one."""
@@ -82,6 +83,12 @@ class Lifecycle:
         if req.phase is not Phase.FINISHED:
             req.phase = Phase.FINISHED
             self.stats.requests_finished += 1
+            self.ended.append(req)
+
+    def take_ended(self) -> list[Request]:
+        """The requests finished since the last call, in the order they finished."""
+        ended, self.ended = self.ended, []
+        return ended
 
     def free_completion(self, c: Completion, req: Request, *, cache: bool = True) -> None:
         """Return a finished completion's sequence; with the prompt cache, its state stays for reuse."""

@@ -39,7 +39,8 @@ class OutputProcessor:
                 targets.append((part.req, c))
         if not targets:
             return
-        logits = step_logits[torch.tensor(rows, dtype=torch.long)]
+        in_order = len(rows) == step_logits.shape[0] and rows == list(range(len(rows)))
+        logits = step_logits if in_order else step_logits[torch.tensor(rows, dtype=torch.long)]
         by_request: dict[str, list[int]] = {}
         for i, (req, _) in enumerate(targets):
             by_request.setdefault(req.request_id, []).append(i)
