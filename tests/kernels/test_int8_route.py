@@ -47,7 +47,7 @@ ALL_INT8 = (*INT8_TYPES, Q.Q8_0, Q.Q4_0)
 
 @pytest.mark.parametrize("qtype", ALL_INT8, ids=lambda t: t.name)
 def test_int8_route_matches_its_twin(ops, qtype: Q) -> None:
-    """Every tile shape route 3 has (groups of 4 weight rows and single rows; 1, 2, then 4 activation
+    """Every tile shape route 3 has (groups of 2 or 4 weight rows and single rows; 1, 2, then 4 activation
     rows at a time and the rest), K of one to eight blocks of 256: within 1e-6 of sum |x w| of the twin (a
     wrong nibble, fifth bit, scale or min order is off by more than 1e-2 of it; for Q8_0 / Q4_0, products
     summed per int32 lane before the correction for unsigned weights gave 2.5e-6)."""

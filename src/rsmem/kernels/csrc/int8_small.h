@@ -64,12 +64,14 @@ struct Small<Q4_0> {
   }
 };
 
-// The eight f16 scales of eight consecutive blocks (stride TS bytes) as float32.
+// The eight f16 scales of eight consecutive blocks (stride TS bytes) as float32: one gather of 32-bit
+// words, their low halves (the scales) narrowed to 16 bits (eight 2-byte stores read back as one vector
+// stalled store forwarding). The last word read ends 2 bytes into the eighth block's values.
 template <class T>
 RSMEM_INLINE __m256 block_scales8(const uint8_t* blk) {
-  uint16_t h[8];
-  for (int i = 0; i < 8; ++i) std::memcpy(h + i, blk + i * T::TS, 2);
-  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
+  const __m256i at = _mm256_setr_epi32(0, T::TS, 2 * T::TS, 3 * T::TS, 4 * T::TS, 5 * T::TS, 6 * T::TS, 7 * T::TS);
+  const __m256i words = _mm256_i32gather_epi32((const int*)blk, at, 1);
+  return _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words));
 }
 
 // y[m * ldy + r] for NR weight rows (stride ldw) and MR activation rows (stride lda ABlocks, per 32 values),
