@@ -89,9 +89,14 @@ def test_gathered_attention_matches_the_whole_stream(arch: str, monkeypatch: pyt
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("sdpa_row_keys", [0, kv_attention.SDPA_ROW_KEYS])
 @pytest.mark.parametrize(("n", "n_head_kv"), [(1, 4), (3, 4), (16, 12), (5, 1), (17, 4)])
-def test_grouped_attention_equals_sdpa(n: int, n_head_kv: int) -> None:
-    """The direct products for a few queries a row give SDPA's result (grouped query heads included)."""
+def test_grouped_attention_equals_sdpa(
+    n: int, n_head_kv: int, sdpa_row_keys: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The direct products for a few queries a row (``SDPA_ROW_KEYS`` 0: every row takes them) give SDPA's
+    result (grouped query heads included), as does the path for few keys a row."""
+    monkeypatch.setattr(kv_attention, "SDPA_ROW_KEYS", sdpa_row_keys)
     gen = torch.Generator().manual_seed(n)
     b, m, n_head, d = 3, 40, 12, 16
     q = torch.randn(b, n, n_head, d, generator=gen)
@@ -110,22 +115,32 @@ def test_grouped_attention_equals_sdpa(n: int, n_head_kv: int) -> None:
 
 
 def test_small_attention_runs_on_one_thread_and_restores_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[int] = []
-    real = torch.matmul
+    """Decode attention over few keys takes SDPA's one op on one thread; over many keys a row the grouped
+    products, on every thread."""
+    seen: list[tuple[str, int]] = []
+    real_matmul, real_sdpa = torch.matmul, torch.nn.functional.scaled_dot_product_attention
 
     def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        seen.append(torch.get_num_threads())
-        return real(a, b)
+        seen.append(("matmul", torch.get_num_threads()))
+        return real_matmul(a, b)
+
+    def sdpa(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(("sdpa", torch.get_num_threads()))
+        return real_sdpa(*args, **kwargs)  # type: ignore[arg-type]
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         monkeypatch.setattr(torch, "matmul", matmul)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
         q, kv = torch.randn(2, 1, 12, 16), torch.randn(2, 10, 4, 16)
         kv_attention.grouped_attention(q, kv, kv, torch.zeros(2, 1, 10), 0.25)
-        assert seen == [1, 1] and torch.get_num_threads() == 2
-        big = torch.randn(1, kv_attention.ONE_THREAD_KV // 64, 4, 16)
+        assert seen == [("sdpa", 1)] and torch.get_num_threads() == 2
+        mid = torch.randn(2, kv_attention.ONE_THREAD_KV // 64, 4, 16)  # few keys a row, much work: 2 threads
+        kv_attention.grouped_attention(q, mid, mid, torch.zeros(2, 1, mid.shape[1]), 0.25)
+        assert seen[1:] == [("sdpa", 2)]
+        big = torch.randn(1, kv_attention.SDPA_ROW_KEYS // 64 + 1, 4, 16)
         kv_attention.grouped_attention(q[:1], big, big, torch.zeros(1, 1, big.shape[1]), 0.25)
-        assert seen[2:] == [2, 2]
+        assert seen[2:] == [("matmul", 2), ("matmul", 2)]
     finally:
         torch.set_num_threads(before)

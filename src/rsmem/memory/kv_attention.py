@@ -207,6 +207,12 @@ class KVCacheContext:
 
 # queries a batch row at most for grouped_attention's direct products (more: SDPA's flash kernel)
 FEW_QUERIES = 16
+# keys a batch row (cells * KV heads * d_k) at most for grouped_attention to take SDPA's kernel with few
+# queries too: one op where the grouped products are a dozen, each a dispatch (one thread, 12 query / 4 KV
+# heads of 64: one token over 20 cells 49 -> 18 us, 8 gathered tokens over 17 cells 138 -> 61 us, over 300
+# 1.7 -> 0.6 ms; one token over 4,096 cells 1.7 ms grouped against 2.2 ms in SDPA, which reads each KV head
+# once per query head)
+SDPA_ROW_KEYS = 1 << 18
 
 
 def additive(mask: torch.Tensor) -> torch.Tensor:
@@ -225,19 +231,23 @@ def grouped_attention(
     For a few queries a row (decode) the scores are two batched products over the grouped heads, each KV
     head read once for all the query heads that share it (SDPA's CPU kernel reads it once per query
     head: at 4,096 cells, 12 query / 4 KV heads of 64, 2.2 ms against 6.1 ms a layer here). For more,
-    ``scaled_dot_product_attention`` (which does not build the ``[n, m]`` scores of every head)."""
+    ``scaled_dot_product_attention`` (which does not build the ``[n, m]`` scores of every head), as for few
+    keys a row (:data:`SDPA_ROW_KEYS`), where one op costs less than the grouped products' dozen."""
     n_batch, n, n_head, d_k = q.shape
     n_head_kv, n_rep = keys.shape[2], n_head // keys.shape[2]
     bias = bias.to(q.dtype)
-    if n > FEW_QUERIES:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=bias[:, None],
-            scale=scale,
-            enable_gqa=n_head != n_head_kv,
-        )  # [B, H, n, d_v]
+    few_keys = keys.shape[1] * n_head_kv * d_k <= SDPA_ROW_KEYS
+    if n > FEW_QUERIES or few_keys:
+        work = keys.numel() if n <= FEW_QUERIES else ONE_THREAD_KV  # decode: one thread for little work
+        with one_thread_below(work, ONE_THREAD_KV):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=bias[:, None],
+                scale=scale,
+                enable_gqa=n_head != n_head_kv,
+            )  # [B, H, n, d_v]
         return out.transpose(1, 2)
     with one_thread_below(keys.numel(), ONE_THREAD_KV):
         grouped = q.reshape(n_batch, n, n_head_kv, n_rep, d_k).permute(0, 2, 3, 1, 4)  # [B, Hkv, rep, n, d]

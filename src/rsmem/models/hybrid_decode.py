@@ -10,7 +10,7 @@ repeating stretches of a layer pattern) share one compilation; each is checked b
 (:class:`~rsmem.models.compiled.CompiledStep`, eager fallback).
 
 :class:`Chains` comes in two kinds: one sequence (``many=False``: ``*_one`` blocks, static shapes) and one
-token of each of several sequences (``many=True``: ``*_many`` blocks with packed products, the batch
+token of each of several sequences (``many=True``: ``*_many`` blocks with few-row products, the batch
 dimension of the residual, the state rows, attention's output and the RoPE tables dynamic, so every width
 of two or more shares one compilation).
 """
@@ -24,8 +24,9 @@ from typing import Any, cast
 import torch
 
 from rsmem.models.compiled import CompiledStep
-from rsmem.models.ops.fused import gemv, matmul_rows
+from rsmem.models.ops.fused import gemv
 from rsmem.models.ops.hybrid_fused import ATTN_IN_BATCH, ATTN_IN_TENSORS, Block, chain
+from rsmem.models.ops.small_rows import rows_product
 
 # Several sequences' chains: inductor runs a kernel on one thread when each thread's share would be under
 # this many elements (its default is 512) at the batch size it compiled with. The glue between the
@@ -76,7 +77,7 @@ class Chains:
                 at += b.n
             if tail == "attn_in":
                 batch += [at + i for i in ATTN_IN_BATCH if isinstance(args[at + i], torch.Tensor)]
-            product = matmul_rows if self.many else gemv
+            product = rows_product if self.many else gemv
             fn = chain(blocks, tail, consts, product)
             batch_args = tuple(batch) if self.many else ()
             options = {"cpp.min_chunk_size": MANY_MIN_CHUNK} if self.many else None

@@ -11,13 +11,15 @@ decode step (one token of each sequence) runs through ``torch.compile`` when the
 (:mod:`rsmem.models.compiled`'s policy and checked fallback): one compiled chain of blocks
 (:mod:`rsmem.models.ops.hybrid_fused`) per stretch between attention layers
 (:mod:`rsmem.models.hybrid_decode`), one sequence's streaming ``[out, in]`` rows, several sequences' with
-the packed twins and a dynamic batch; prefill is eager.
+the few-row kernel's operands (:func:`~rsmem.models.hybrid_layers.many_operand`) and a dynamic batch;
+prefill is eager.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -32,12 +34,13 @@ from rsmem.models.hybrid_layers import (
     HybridStates,
     RopeTables,
     hold_model,
+    many_head,
+    many_operand,
     rope_neox,
     warm_up_decode,
 )
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
-from rsmem.models.ops.fused import Packed, RowsOperand
 from rsmem.models.ops.hybrid_fused import (
     Block,
     lfm2_attn_out_many,
@@ -242,14 +245,14 @@ class Lfm2Model:
     def _decode(self, tokens: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
         """One token of each sequence (``tokens`` ``[Bs]``) as compiled chains between the attention layers
         (:mod:`rsmem.models.hybrid_decode`: one sequence's blocks stream ``[out, in]`` rows, several
-        sequences' use the packed twins); None (nothing read) when the state rows are not float32."""
+        sequences' the few-row kernel's operands); None (nothing read) when the state rows are not float32."""
         cfg = self.config
         rows = {il: states.read_states(il) for il in range(self.n_layer) if self.is_recurrent_layer(il)}
         if any(r.dtype != torch.float32 for r, _ in rows.values()):
             return None  # decoded eagerly: reading the rows again is harmless
         n_seqs = tokens.shape[0]
         many = n_seqs > 1
-        mat = self._rows_operand if many else out_in
+        mat = partial(many_operand, self.held) if many else out_in
         conv_block, out_block = (
             (self._conv_many, self._attn_out_many) if many else (self._conv, self._attn_out)
         )
@@ -277,15 +280,10 @@ class Lfm2Model:
         x = self.embedding[tokens]  # [Bs, d_model]
         if many:
             h = self._chains_many.run(x, steps, "norm", (self.norm_f,), cfg.eps, attend)
-            logits = self.held.linear(output_rows(h, ubatch.output_rows()), self.lm_head)
+            logits = many_head(self.held, output_rows(h, ubatch.output_rows()), self.lm_head)
         else:
             logits = self._chains.run(x, steps, "head", (self.norm_f, out_in(self.lm_head)), cfg.eps, attend)
             logits = logits[: len(ubatch.output_rows())]
         for il, window in windows.items():
             states.write_states(il, window, rows[il][1])
         return logits
-
-    def _rows_operand(self, weight_t: torch.Tensor) -> RowsOperand:
-        """A held matrix as several rows' products take it: its packed twin, else ``[out, in]``."""
-        packed = self.held.packed.twin(weight_t)
-        return Packed(packed) if packed is not None else out_in(weight_t)

@@ -10,13 +10,14 @@ Matrices are held as :mod:`rsmem.models.hybrid_layers` says (oneDNN twins). When
 decode step (one token of each sequence) is one compiled chain per stretch between attention layers
 (:mod:`rsmem.models.hybrid_decode`; Mamba-2's blocks from :mod:`rsmem.models.ops.fused`, the others from
 :mod:`rsmem.models.ops.hybrid_fused`): one sequence's streaming ``[out, in]`` rows, several sequences'
-with the packed twins and a dynamic batch.
+with the few-row kernel's operands (:func:`~rsmem.models.hybrid_layers.many_operand`) and a dynamic batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -25,11 +26,26 @@ import torch.nn.functional as F
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompileSetting, resolve_compile
 from rsmem.models.hybrid_decode import AttentionStep, Chains, Step
-from rsmem.models.hybrid_layers import Attention, HeldMatrices, HybridStates, hold_model, warm_up_decode
+from rsmem.models.hybrid_layers import (
+    Attention,
+    HeldMatrices,
+    HybridStates,
+    hold_model,
+    many_head,
+    many_operand,
+    warm_up_decode,
+)
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
-from rsmem.models.ops.fused import Packed, RowsOperand, mamba2_layer_many_, mamba2_layer_one_
-from rsmem.models.ops.hybrid_fused import Block, attn_out_many, attn_out_one, relu2_mlp_many, relu2_mlp_one
+from rsmem.models.ops.fused import mamba2_layer_one_
+from rsmem.models.ops.hybrid_fused import (
+    Block,
+    attn_out_many,
+    attn_out_one,
+    mamba2_layer_rows_,
+    relu2_mlp_many,
+    relu2_mlp_one,
+)
 from rsmem.models.ops.norm import gated_group_rms_norm, rms_norm
 from rsmem.models.ops.ssd import ssd_chunked_
 from rsmem.models.protocol import StateAccess
@@ -189,7 +205,7 @@ class NemotronHModel:
             self._mlp = Block(relu2_mlp_one, 3, (cfg.eps,))
             self._attn_out = Block(attn_out_one, 2)  # o, wo
             self._chains = Chains()  # one sequence
-            self._mamba_many = Block(mamba2_layer_many_, 11, (cfg.n_group, cfg.eps), mutated=(9, 10))
+            self._mamba_many = Block(mamba2_layer_rows_, 11, (cfg.n_group, cfg.eps), mutated=(9, 10))
             self._mlp_many = Block(relu2_mlp_many, 3, (cfg.eps,))
             self._attn_out_many = Block(attn_out_many, 2, batch=(0,))  # o: one row a sequence
             self._chains_many = Chains(many=True)  # one token of each of several sequences
@@ -253,8 +269,8 @@ class NemotronHModel:
     def _decode(self, tokens: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
         """One token of each sequence (``tokens`` ``[Bs]``) as compiled chains between the attention layers
         (:mod:`rsmem.models.hybrid_decode`: one sequence's blocks stream ``[out, in]`` rows, several
-        sequences' use the packed twins); attention's KV part is eager. None (nothing read) when the state
-        rows are not float32."""
+        sequences' the few-row kernel's operands); attention's KV part is eager. None (nothing read) when
+        the state rows are not float32."""
         cfg = self.config
         rows = {il: states.read_states(il) for il in range(self.n_layer) if self.is_recurrent_layer(il)}
         if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows.values()):
@@ -268,7 +284,7 @@ class NemotronHModel:
             for il, (r, s) in rows.items()
         }
         many = n_seqs > 1
-        mat = self._rows_operand if many else out_in
+        mat = partial(many_operand, self.held) if many else out_in
         if many:
             mamba, mlp, attn_out = self._mamba_many, self._mlp_many, self._attn_out_many
         else:
@@ -298,18 +314,13 @@ class NemotronHModel:
         x = self.embedding[tokens]  # [Bs, d_model]
         if many:
             h = self._chains_many.run(x, steps, "norm", (self.norm_f,), cfg.eps, attend)
-            logits = self.held.linear(output_rows(h, ubatch.output_rows()), self.lm_head)
+            logits = many_head(self.held, output_rows(h, ubatch.output_rows()), self.lm_head)
         else:
             logits = self._chains.run(x, steps, "head", (self.norm_f, out_in(self.lm_head)), cfg.eps, attend)
             logits = logits[: len(ubatch.output_rows())]
         for il, (window, h_rows) in views.items():
             states.write_states(il, window, h_rows)
         return logits
-
-    def _rows_operand(self, weight_t: torch.Tensor) -> RowsOperand:
-        """A held matrix as several rows' products take it: its packed twin, else ``[out, in]``."""
-        packed = self.held.packed.twin(weight_t)
-        return Packed(packed) if packed is not None else out_in(weight_t)
 
 
 def out_in(weight_t: torch.Tensor) -> torch.Tensor:

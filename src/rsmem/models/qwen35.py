@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -43,13 +44,14 @@ from rsmem.models.hybrid_layers import (
     RopeTables,
     apply_rope,
     hold_model,
+    many_head,
+    many_operand,
     rope_tables,
     warm_up_decode,
 )
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.delta_net import delta_rule, l2_norm
-from rsmem.models.ops.fused import Packed, RowsOperand
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.protocol import StateAccess
 from rsmem.models.qwen35_decode import AttnIn, DeltaDims, QwenChains
@@ -349,15 +351,15 @@ class Qwen35Model:
 
     def _decode(self, tokens: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
         """One token of each sequence (``tokens`` ``[Bs]``) as the compiled chains of
-        :mod:`rsmem.models.qwen35_decode` (one sequence streams ``[out, in]`` rows, several use the packed
-        twins); None (nothing read) when the state rows are not float32."""
+        :mod:`rsmem.models.qwen35_decode` (one sequence streams ``[out, in]`` rows, several use the few-row
+        kernel's operands); None (nothing read) when the state rows are not float32."""
         cfg = self.config
         rows = {il: states.read_states(il) for il in range(self.n_layer) if cfg.recurrent[il]}
         if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows.values()):
             return None  # decoded eagerly: reading the rows again is harmless
         n_seqs = tokens.shape[0]
         many = n_seqs > 1
-        mat = self._rows_operand if many else Qwen35Model._out_in
+        mat = partial(many_operand, self.held) if many else Qwen35Model._out_in
         cos, sin = rope_tables(torch.tensor(ubatch.pos, dtype=torch.long), cfg.rope_base, cfg.n_rot)
         layers: list[tuple[object, ...] | AttnIn] = []
         for il, ly in enumerate(self.layers):
@@ -384,7 +386,7 @@ class Qwen35Model:
         x = self.embedding[tokens]  # [Bs, d_model]
         if many:
             h = self._chains_many.run(x, layers, "norm", (self.norm_f,), attend)
-            logits = self.held.linear(output_rows(h, ubatch.output_rows()), self.lm_head)
+            logits = many_head(self.held, output_rows(h, ubatch.output_rows()), self.lm_head)
         else:
             logits = self._chains.run(x, layers, "head", (self.norm_f, self._out_in(self.lm_head)), attend)
             logits = logits[: len(ubatch.output_rows())]
@@ -397,8 +399,3 @@ class Qwen35Model:
     def _out_in(weight_t: torch.Tensor) -> torch.Tensor:
         """A held ``[in, out]`` matrix as the ``[out, in]`` rows the one-sequence chains stream."""
         return weight_t.t()
-
-    def _rows_operand(self, weight_t: torch.Tensor) -> RowsOperand:
-        """A held matrix as several rows' products take it: its packed twin, else ``[out, in]``."""
-        packed = self.held.packed.twin(weight_t)
-        return Packed(packed) if packed is not None else weight_t.t()

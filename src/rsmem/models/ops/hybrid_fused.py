@@ -3,11 +3,12 @@
 
 Each block takes its products as ``product``: :func:`~rsmem.models.ops.fused.gemv` for one sequence's
 token (``*_one``: matrices as ``[out, in]`` rows, a fused reduction streaming them) or
-:func:`~rsmem.models.ops.fused.matmul_rows` for one token of each of several sequences (``*_many``:
-matrices as :class:`~rsmem.models.ops.fused.Packed` oneDNN twins, an extern GEMM call inside the compiled
-code). A decode step chains the blocks between attention layers into one compiled call (:func:`chain`);
-the KV cache's store and attention run eagerly between them (their shapes change every step). ``x`` is
-the residual stream ``[Bs, d_model]``; ``window`` ``[Bs, C, K-1]`` is updated in place.
+:func:`~rsmem.models.ops.small_rows.rows_product` for one token of each of several sequences (``*_many``:
+matrices as :func:`~rsmem.models.ops.small_rows.rows_operand` gives them: the C++ few-row kernel up to 16
+rows, oneDNN's packed twin beyond, one extern call inside the compiled code). A decode step chains the
+blocks between attention layers into one compiled call (:func:`chain`); the KV cache's store and attention
+run eagerly between them (their shapes change every step). ``x`` is the residual stream ``[Bs, d_model]``;
+``window`` ``[Bs, C, K-1]`` is updated in place.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rsmem.models.ops.fused import Product, gemv, matmul_rows
+from rsmem.models.ops.fused import Product, gemv, mamba2_layer_
 from rsmem.models.ops.norm import rms_norm
+from rsmem.models.ops.small_rows import rows_product
 
 
 def swiglu_(
@@ -120,13 +122,13 @@ def relu2_mlp_(
     return x + product(torch.relu(product(rms_norm(x, norm, eps), up)).square(), down)
 
 
-# the blocks for one sequence (gemv) and for several (matmul_rows)
+# the blocks for one sequence (gemv) and for several (rows_product)
 def lfm2_conv_one_(*args: Any) -> torch.Tensor:
     return lfm2_conv_(gemv, *args)
 
 
 def lfm2_conv_many_(*args: Any) -> torch.Tensor:
-    return lfm2_conv_(matmul_rows, *args)
+    return lfm2_conv_(rows_product, *args)
 
 
 def lfm2_attn_out_one(*args: Any) -> torch.Tensor:
@@ -134,7 +136,7 @@ def lfm2_attn_out_one(*args: Any) -> torch.Tensor:
 
 
 def lfm2_attn_out_many(*args: Any) -> torch.Tensor:
-    return lfm2_attn_out_(matmul_rows, *args)
+    return lfm2_attn_out_(rows_product, *args)
 
 
 def attn_out_one(*args: Any) -> torch.Tensor:
@@ -142,7 +144,7 @@ def attn_out_one(*args: Any) -> torch.Tensor:
 
 
 def attn_out_many(*args: Any) -> torch.Tensor:
-    return attn_out_(matmul_rows, *args)
+    return attn_out_(rows_product, *args)
 
 
 def relu2_mlp_one(*args: Any) -> torch.Tensor:
@@ -150,7 +152,12 @@ def relu2_mlp_one(*args: Any) -> torch.Tensor:
 
 
 def relu2_mlp_many(*args: Any) -> torch.Tensor:
-    return relu2_mlp_(matmul_rows, *args)
+    return relu2_mlp_(rows_product, *args)
+
+
+def mamba2_layer_rows_(*args: Any) -> torch.Tensor:
+    """Nemotron-H's Mamba-2 block (:func:`~rsmem.models.ops.fused.mamba2_layer_`) for several sequences."""
+    return mamba2_layer_(rows_product, *args)
 
 
 # ------------------------------------------------------------------------------ chains of blocks
