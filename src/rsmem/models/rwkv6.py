@@ -25,7 +25,7 @@ from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompiledStep
 from rsmem.models.ops.wkv6 import wkv6_chunked_, wkv6_intra, wkv6_step_
 from rsmem.models.ops.wkv_fused import N6_PER_LAYER, RWKV6_FIELDS, rwkv6_token_one_
-from rsmem.models.ops.wkv_many import rwkv6_token_many_
+from rsmem.models.ops.wkv_many import MANY_OPTIONS, rwkv6_token_many_
 from rsmem.models.protocol import StateAccess
 from rsmem.models.rwkv_base import GROUP_NORM_EPS, RwkvModelBase, batch_args, state_args, token_shift
 
@@ -117,6 +117,7 @@ class Rwkv6Model(RwkvModelBase):
             rwkv6_token_many_,
             batch_args=batch_args(9, N6_PER_LAYER, self.n_layer),
             mutated=state_args(9, N6_PER_LAYER),
+            options=MANY_OPTIONS,
         )
         self.wkv_intra = CompiledStep(wkv6_intra, batch_args=tuple(range(5)))
 

@@ -25,7 +25,7 @@ from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompiledStep
 from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_intra, wkv7_step_
 from rsmem.models.ops.wkv_fused import N_PER_LAYER, RWKV7_FIELDS, rwkv7_token_one_
-from rsmem.models.ops.wkv_many import rwkv7_token_many_
+from rsmem.models.ops.wkv_many import MANY_OPTIONS, rwkv7_token_many_
 from rsmem.models.protocol import StateAccess
 from rsmem.models.rwkv_base import (
     GROUP_NORM_EPS,
@@ -136,6 +136,7 @@ class Rwkv7Model(RwkvModelBase):
             rwkv7_token_many_,
             batch_args=batch_args(8, N_PER_LAYER, self.n_layer),
             mutated=state_args(8, N_PER_LAYER),
+            options=MANY_OPTIONS,
         )
         self.wkv_intra = CompiledStep(wkv7_intra, batch_args=tuple(range(6)))
 

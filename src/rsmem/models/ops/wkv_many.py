@@ -28,6 +28,14 @@ import torch.nn.functional as F
 from rsmem.models.ops.small_rows import rows_product
 from rsmem.models.ops.wkv_fused import DECAY_SCALE, GROUP_NORM_EPS, N6_PER_LAYER, N_PER_LAYER
 
+# Inductor options of the several-sequence steps: a kernel runs on one thread when each thread's share would
+# be under 65,536 elements at the batch it compiled with (inductor's default is 512), so the glue between
+# the products ([Bs, C] norms, mixes, gates) runs where it is, with no hand-off to a sleeping second thread
+# (as the hybrids' chains, hybrid_decode.MANY_MIN_CHUNK). RWKV-7 130M, 2 threads, load 4-5.5, 3 processes
+# each: voluntary context switches a step 876 -> 562 at 8 sequences, 945 -> 632 at 64; wall a step at 8
+# 49-117 -> 60-110 ms (within the noise), at 64 258-504 -> 250 ms (one process).
+MANY_OPTIONS = {"cpp.min_chunk_size": 1 << 16}
+
 
 def _rwkv7_wkv_many(
     xw: torch.Tensor,
