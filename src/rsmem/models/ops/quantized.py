@@ -20,6 +20,7 @@ import gguf
 import torch
 
 from rsmem.kernels import formats
+from rsmem.kernels.build import native_ops
 from rsmem.kernels.dequant import dequantize_rows
 from rsmem.kernels.quant import qmatmul  # the C++ kernels are built at the first product
 
@@ -57,9 +58,15 @@ class QuantMatrix:
         return out.view(*x.shape[:-1], self.shape[0])
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """The float32 rows ``index`` (any shape of row numbers): ``[*index.shape, in]``, as an embedding."""
-        flat = index.reshape(-1)
-        got = dequantize_rows(self.blocks.index_select(0, flat), self.qtype, self.shape[1])
+        """The float32 rows ``index`` (any shape of row numbers): ``[*index.shape, in]``, as an embedding.
+        The C++ kernels' decoder where they are loaded (the same values as the torch one; one Q6_K row of
+        768 values 5 us instead of 106 us, a decode step's embedding), else the torch one."""
+        picked = self.blocks.index_select(0, index.reshape(-1))
+        ops = native_ops() if picked.device.type == "cpu" else None
+        if ops is not None:
+            got = ops.dequantize(picked, self.qtype, self.shape[1])
+        else:
+            got = dequantize_rows(picked, self.qtype, self.shape[1])
         return got.view(*index.shape, self.shape[1])
 
     def dequantize(self) -> torch.Tensor:
