@@ -75,7 +75,10 @@ def test_scan_refuses_bad_input_and_leaves_the_state() -> None:
     assert torch.equal(h, before)
 
 
-def test_long_prompts_take_the_scan_and_short_ones_the_chunked_form(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("loaded", [False, True])
+def test_long_prompts_take_the_scan_and_short_ones_only_once_the_kernels_are_loaded(
+    monkeypatch: pytest.MonkeyPatch, loaded: bool
+) -> None:
     ops = native()
     calls: list[int] = []
     real = ops.ssd_scan_
@@ -86,15 +89,28 @@ def test_long_prompts_take_the_scan_and_short_ones_the_chunked_form(monkeypatch:
             return real(*args)
 
     monkeypatch.setattr(ssd, "native_ops", lambda: Spy())
-    for n in (ssd.NATIVE_MIN_TOKENS - 1, ssd.NATIVE_MIN_TOKENS + 7):
+    monkeypatch.setattr(ssd, "loaded_native_ops", lambda: Spy() if loaded else None)
+    for n in (1, 2, ssd.NATIVE_MIN_TOKENS - 1, ssd.NATIVE_MIN_TOKENS + 7):
         x, dt, A, B, C, D, h0 = inputs(2, n, 4, 16, 2, 32, seed=n)
-        at = [(1, n - 3)]
+        at = [(1, n - 1)]
         y_ref, h_ref = ssd_ref(x, dt, A, B, C, D, h0.clone())
         h = h0.clone()
         y, h_at = ssd_chunked_at_(x, dt, A, B, C, D, h, at, chunk_size=16)
         assert rel(y, y_ref) < 1e-5 and rel(h, h_ref) < 1e-5
         assert rel(h_at, ssd_states_at_ref(x, dt, A, B, C, D, h0.clone(), at)) < 1e-5
-    assert calls == [ssd.NATIVE_MIN_TOKENS + 7]
+    short = [2, ssd.NATIVE_MIN_TOKENS - 1] if loaded else []
+    assert calls == [*short, ssd.NATIVE_MIN_TOKENS + 7]  # one token: the state update, never the scan
+
+
+def test_loaded_native_ops_never_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rsmem.kernels import build
+
+    state: dict[str, object] = {}
+    monkeypatch.setattr(build, "_state", state)
+    monkeypatch.setattr(build, "_build", lambda: pytest.fail("loaded_native_ops built the kernels"))
+    assert build.loaded_native_ops() is None
+    state["ops"] = ops = object()
+    assert build.loaded_native_ops() is ops
 
 
 def test_without_kernels_the_chunked_form_runs(monkeypatch: pytest.MonkeyPatch) -> None:

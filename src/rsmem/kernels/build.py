@@ -122,6 +122,12 @@ def native_ops() -> Any:
     return _state["ops"]
 
 
+def loaded_native_ops() -> Any:
+    """The kernels when :func:`native_ops` has already built or loaded them in this process, else None:
+    never builds (for work too small to wait for the first build)."""
+    return _state.get("ops")
+
+
 def reset() -> None:
     """Forget the outcome of :func:`native_ops`, so that the next call decides again (reads
     ``RSMEM_KERNELS`` again, builds or loads again, warns again on failure). For tests."""
