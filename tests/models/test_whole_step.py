@@ -15,6 +15,7 @@ from rsmem.models.mamba import MambaConfig
 from rsmem.models.mamba2 import Mamba2Config
 from rsmem.models.ops import fused
 from rsmem.models.ops.packed import packing_enabled
+from rsmem.models.ops.small_rows import kernel_ops
 from rsmem.models.random_init import random_mamba, random_mamba2
 
 needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
@@ -64,8 +65,10 @@ def test_whole_step_matches_eager(arch: str) -> None:
     _assert_close(got, eager, 2e-5)
     _, head, weights = model._step_args[True]
     operands = [head, *(w for layer in weights for w in layer if not isinstance(w, torch.Tensor))]
-    # with oneDNN the products of several rows take the packed twins (rsmem::packed_linear)
-    assert operands and all(isinstance(w, fused.Packed) for w in operands) == packing_enabled()
+    # with oneDNN the products of several rows take the packed twins (rsmem::packed_linear), through the C++
+    # few-row kernel up to 16 rows when the kernels are loaded (rsmem_native::rows_linear)
+    kind = fused.SmallRows if kernel_ops() is not None else fused.Packed
+    assert operands and all(isinstance(w, kind) for w in operands) == packing_enabled()
 
 
 @needs_cxx

@@ -18,10 +18,11 @@ from rsmem.batch.batch import Batch, UBatch
 from rsmem.hugepages import huge_page_copies
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import CapturePoints, output_rows
-from rsmem.models.ops.fused import Packed, RowsOperand, token_step, token_step_many
+from rsmem.models.ops.fused import RowsOperand, token_step, token_step_many
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.ops.quantized import Matrix, QuantMatrix, as_float32, embed, out_in, same_storage
+from rsmem.models.ops.small_rows import rows_operand
 from rsmem.models.protocol import StateAccess
 
 if TYPE_CHECKING:
@@ -182,9 +183,13 @@ class MambaFamilyModel:
 
     def rows_operand(self, weight_t: Matrix) -> RowsOperand:
         """A matrix ``[in, out]`` of this model as :func:`~rsmem.models.ops.fused.matmul_rows` takes it for
-        several rows: its oneDNN packed twin when it has one, else ``[out, in]``."""
+        several rows: with its oneDNN packed twin when it has one
+        (:func:`~rsmem.models.ops.small_rows.rows_operand`: the C++ few-row kernel up to 16 rows when the
+        kernels are loaded, the twin beyond), else ``[out, in]``."""
         packed = self.packed.twin(weight_t)
-        return Packed(packed) if packed is not None else out_in(weight_t)
+        if packed is None or not isinstance(weight_t, torch.Tensor):
+            return out_in(weight_t)
+        return rows_operand(weight_t.t(), packed)
 
     def is_recurrent_layer(self, il: int) -> bool:
         return True

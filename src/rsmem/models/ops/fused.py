@@ -71,13 +71,28 @@ class Packed:
         self.packed = packed
 
 
-RowsOperand = Matrix | Packed
+class SmallRows:
+    """A float32 ``[out, in]`` matrix with rows contiguous (``plain``) and its oneDNN packed twin, as
+    :func:`matmul_rows` takes it: up to ``max_rows`` rows through the C++ few-row kernel
+    (``rsmem_native::rows_linear``, see :mod:`rsmem.models.ops.small_rows`, which makes these only once the
+    kernels are loaded), more through the twin, in one op (no guard on the row count in a compiled step)."""
+
+    __slots__ = ("max_rows", "packed", "plain")
+
+    def __init__(self, plain: torch.Tensor, packed: torch.Tensor, max_rows: int) -> None:
+        self.plain = plain
+        self.packed = packed
+        self.max_rows = max_rows
+
+
+RowsOperand = Matrix | Packed | SmallRows
 Product = Callable[[torch.Tensor, Any], torch.Tensor]  # gemv (a Matrix) or matmul_rows (a RowsOperand)
 
 
 def matmul_rows(x: torch.Tensor, weight: RowsOperand) -> torch.Tensor:
     """``x @ weight.T`` for several rows ``x`` ``[Bs, in]`` and ``weight`` ``[out, in]``, float32. A
-    :class:`Packed` matrix goes through ``rsmem::packed_linear`` (1.3-2.7x the plain GEMM for 4-64 rows); a
+    :class:`Packed` matrix goes through ``rsmem::packed_linear`` (1.3-2.7x the plain GEMM for 4-64 rows), a
+    :class:`SmallRows` through the few-row kernel or its packed twin by the row count; a
     plain one is a GEMM; a bf16 ``weight`` multiplies ``x`` rounded to bf16, as
     :func:`~rsmem.models.ops.common.linear` does; a :class:`~rsmem.models.ops.quantized.QuantMatrix` goes to
     its kernel."""
@@ -85,6 +100,8 @@ def matmul_rows(x: torch.Tensor, weight: RowsOperand) -> torch.Tensor:
         return weight.matmul_t(x)
     if isinstance(weight, Packed):
         return torch.ops.rsmem.packed_linear(x, weight.packed)
+    if isinstance(weight, SmallRows):
+        return torch.ops.rsmem_native.rows_linear(x, weight.plain, weight.packed, weight.max_rows)
     if weight.dtype == x.dtype:
         return x @ weight.t()
     return (x.to(weight.dtype) @ weight.t()).float()

@@ -11,7 +11,8 @@ op (a compiled step with a dynamic batch needs no guard on it).
 - :func:`rows_ref`: the plain reference twin, ``x @ w.t()``.
 - :func:`rows_f32`: the kernel when the native kernels are built (:func:`~rsmem.kernels.build.native_ops`),
   else the twin.
-- :func:`rows_operand`: how a batched step takes a float32 matrix with a packed twin: a :class:`SmallRows`
+- :func:`rows_operand`: how a batched step takes a float32 matrix with a packed twin: a
+  :class:`~rsmem.models.ops.fused.SmallRows`
   when the kernels are loaded, else :class:`~rsmem.models.ops.fused.Packed` (oneDNN for every row count).
 - :func:`rows_product`: ``x @ weight.T`` for either (or any operand
   :func:`~rsmem.models.ops.fused.matmul_rows` takes).
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from rsmem.kernels.build import native_ops
-from rsmem.models.ops.fused import Packed, RowsOperand, matmul_rows
+from rsmem.models.ops.fused import Packed, RowsOperand, SmallRows, matmul_rows
 
 # Rows up to which the kernel runs (more go to oneDNN's packed product): at 16 rows the two are about even.
 MAX_ROWS = 16
@@ -67,29 +68,16 @@ def rows_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return ops.rows_f32(x, w)
 
 
-class SmallRows:
-    """A float32 ``[out, in]`` matrix with rows contiguous (``plain``) and its oneDNN packed twin, for
-    :func:`rows_product`: up to ``max_rows`` rows through the kernel, more through the twin."""
-
-    __slots__ = ("max_rows", "packed", "plain")
-
-    def __init__(self, plain: torch.Tensor, packed: torch.Tensor, max_rows: int = MAX_ROWS) -> None:
-        self.plain = plain
-        self.packed = packed
-        self.max_rows = max_rows
-
-
 def rows_operand(plain: torch.Tensor, packed: torch.Tensor) -> SmallRows | Packed:
     """``plain`` (``[out, in]``) with its packed twin as a batched step takes it: a :class:`SmallRows` when
     the kernels are loaded and ``plain`` is float32 with contiguous rows, else :class:`Packed`."""
     if plain.dtype == torch.float32 and plain.stride(-1) == 1 and kernel_ops() is not None:
-        return SmallRows(plain, packed)
+        return SmallRows(plain, packed, MAX_ROWS)
     return Packed(packed)
 
 
 def rows_product(x: torch.Tensor, weight: SmallRows | RowsOperand) -> torch.Tensor:
-    """``x @ weight.T`` for ``x`` ``[Bs, in]``: a :class:`SmallRows` through ``rows_linear`` (kernel or
-    packed twin by ``Bs``), anything else through :func:`~rsmem.models.ops.fused.matmul_rows`."""
-    if isinstance(weight, SmallRows):
-        return torch.ops.rsmem_native.rows_linear(x, weight.plain, weight.packed, weight.max_rows)
+    """``x @ weight.T`` for ``x`` ``[Bs, in]``: :func:`~rsmem.models.ops.fused.matmul_rows`, which takes a
+    :class:`SmallRows` through ``rows_linear`` (kernel or packed twin by ``Bs``) and any other operand as
+    before."""
     return matmul_rows(x, weight)
