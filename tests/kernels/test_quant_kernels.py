@@ -342,3 +342,16 @@ def test_ninja_beside_the_interpreter_is_put_on_path(monkeypatch: pytest.MonkeyP
     assert os.environ["PATH"] == f"{tmp_path}{os.pathsep}/usr/bin"
     assert not settings.put_on_path(tmp_path)  # already there: PATH unchanged
     assert os.environ["PATH"] == f"{tmp_path}{os.pathsep}/usr/bin"
+
+
+def test_two_checkouts_of_the_same_sources_build_apart(tmp_path, monkeypatch) -> None:
+    """The same sources in another folder get their own build (a shared one would be relinked under the
+    other checkout's processes: torch's ninja file names the sources' paths)."""
+    import shutil
+
+    here = build._build_name(build.CFLAGS)
+    assert build._build_name(build.CFLAGS) == here  # stable
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, copy)
+    monkeypatch.setattr(build, "CSRC", copy)
+    assert build._build_name(build.CFLAGS) != here

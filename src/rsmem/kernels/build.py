@@ -50,10 +50,14 @@ def _cpu_identity() -> str:
 
 
 def _build_name(flags: tuple[str, ...]) -> str:
-    """The extension's name: a hash of the sources, flags, torch version and CPU, so that a changed kernel,
-    torch or CPU rebuilds instead of loading a stale or unsuitable library."""
+    """The extension's name: a hash of the sources, their folder, flags, torch version and CPU, so that a
+    changed kernel, torch or CPU rebuilds instead of loading a stale or unsuitable library. The folder keeps
+    two checkouts of the same sources apart: torch's build writes the sources' paths into its ninja file, so
+    with one shared build each would relink the library the other loads (a process that loads the relinked
+    file a second time registers its ops twice and aborts)."""
     h = hashlib.sha256(torch.__version__.encode())
     h.update(_cpu_identity().encode())
+    h.update(str(CSRC.resolve()).encode())
     for name in (*SOURCES, *HEADERS):
         h.update((CSRC / name).read_bytes())
     h.update(" ".join(flags).encode())
