@@ -355,3 +355,13 @@ def test_two_checkouts_of_the_same_sources_build_apart(tmp_path, monkeypatch) ->
     shutil.copytree(build.CSRC, copy)
     monkeypatch.setattr(build, "CSRC", copy)
     assert build._build_name(build.CFLAGS) != here
+
+
+def test_a_loaded_library_is_never_loaded_again(tmp_path, monkeypatch) -> None:
+    """Once the ops are in this process, building again (another folder, after reset) returns them: torch
+    would build `name_v1` for a changed folder, and loading it registers the ops a second time (abort)."""
+    from torch.utils import cpp_extension
+
+    assert kernels_active(), build.build_error()
+    monkeypatch.setattr(cpp_extension, "load", lambda **_: pytest.fail("loaded the library again"))
+    assert build.build_variant("rsmem_native", build.CFLAGS, tmp_path) is torch.ops.rsmem_native

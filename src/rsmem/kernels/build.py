@@ -78,6 +78,9 @@ def build_variant(namespace: str, cflags: tuple[str, ...], folder: Path) -> Any:
     also build a portable variant (no AVX-512) to check the fallback code on this machine."""
     from torch.utils import cpp_extension
 
+    loaded = getattr(torch.ops, namespace)
+    if hasattr(loaded, "isa"):  # already in this process: loading a second library would register its ops
+        return loaded  # twice and abort (torch renames a build whose folder or flags changed, `name_v1`)
     _find_ninja()
     flags = (*cflags, f"-DRSMEM_OPS_NS={namespace}")
     name = _build_name(flags)
