@@ -14,7 +14,6 @@ import rsmem
 from rsmem.models.hybrid_layers import many_head, many_operand
 from rsmem.models.ops import small_rows
 from rsmem.models.ops.fused import Packed, mamba2_layer_many_
-from rsmem.models.ops.hybrid_fused import mamba2_layer_rows_
 from rsmem.models.ops.packed import HeldMatrices
 from rsmem.models.ops.small_rows import SmallRows
 
@@ -57,8 +56,8 @@ def test_many_head_matches_the_held_product(
 
 
 def test_nemotron_mamba2_block_through_rows_matches_the_packed_one() -> None:
-    """Nemotron-H's Mamba-2 block for several sequences (rows_product) against fused.mamba2_layer_many_
-    (oneDNN's packed product), eagerly, state rows included."""
+    """Nemotron-H's Mamba-2 block for several sequences (fused.mamba2_layer_many_) with the few-row operands
+    against the same block with oneDNN's packed ones, eagerly, state rows included."""
     model = rsmem.load_model(FIXTURES / "nemotron_h" / "model-f32.gguf", compile=False)
     cfg = model.config
     il = next(i for i in range(cfg.n_layer) if model.is_recurrent_layer(i))
@@ -70,9 +69,9 @@ def test_nemotron_mamba2_block_through_rows_matches_the_packed_one() -> None:
     window = torch.randn(n, cfg.conv_dim, cfg.d_conv - 1, generator=gen)
     h = torch.randn(n, cfg.n_ssm_head, cfg.ssm_head_dim, cfg.d_state, generator=gen)
     outs = []
-    for block, operand in ((mamba2_layer_rows_, many_operand), (mamba2_layer_many_, _packed)):
+    for operand in (many_operand, _packed):
         w, s = window.clone(), h.clone()
-        y = block(
+        y = mamba2_layer_many_(
             x, ly.norm, operand(model.held, mx.in_proj), mx.conv_weight, mx.conv_bias, mx.dt_bias, mx.A, mx.D,
             mx.ssm_norm, operand(model.held, mx.out_proj), w, s, cfg.n_group, cfg.eps,
         )  # fmt: skip

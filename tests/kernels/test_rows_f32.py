@@ -14,8 +14,8 @@ from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
 from rsmem.models.compiled import has_cxx_compiler
 from rsmem.models.ops import small_rows
-from rsmem.models.ops.fused import Packed
-from rsmem.models.ops.small_rows import SmallRows, rows_f32, rows_operand, rows_product, rows_ref
+from rsmem.models.ops.fused import Packed, matmul_rows
+from rsmem.models.ops.small_rows import SmallRows, rows_f32, rows_operand, rows_ref
 
 
 def native():
@@ -81,7 +81,7 @@ def test_wrapper_and_operand_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(rows_f32(x, w), rows_ref(x, w))
     operand = rows_operand(w, packed)
     assert isinstance(operand, Packed)
-    torch.testing.assert_close(rows_product(x, operand), rows_ref(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(matmul_rows(x, operand), rows_ref(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_operand_uses_the_kernel_when_built() -> None:
@@ -91,7 +91,7 @@ def test_operand_uses_the_kernel_when_built() -> None:
     operand = rows_operand(w, packed)
     assert isinstance(operand, SmallRows)
     assert isinstance(rows_operand(w.t().contiguous().t(), packed), Packed)  # rows not contiguous
-    torch.testing.assert_close(rows_product(x, operand), rows_ref(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(matmul_rows(x, operand), rows_ref(x, w), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")
@@ -102,7 +102,7 @@ def test_compiled_graph_calls_the_op_with_a_dynamic_batch() -> None:
     ops2 = rows_operand(w2, torch.ops.mkldnn._reorder_linear_weight(w2, 8))
 
     def f(x: torch.Tensor, a: SmallRows, b: SmallRows) -> torch.Tensor:
-        return rows_product(torch.relu(rows_product(x, a)), b)
+        return matmul_rows(torch.relu(matmul_rows(x, a)), b)
 
     compiled = torch.compile(f, dynamic=True, fullgraph=True)
     for m in (2, 5, 16, 30):

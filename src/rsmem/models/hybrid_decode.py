@@ -24,9 +24,8 @@ from typing import Any, cast
 import torch
 
 from rsmem.models.compiled import CompiledStep
-from rsmem.models.ops.fused import gemv
+from rsmem.models.ops.fused import gemv, matmul_rows
 from rsmem.models.ops.hybrid_fused import ATTN_IN_BATCH, ATTN_IN_TENSORS, Block, chain
-from rsmem.models.ops.small_rows import rows_product
 
 # Several sequences' chains: inductor runs a kernel on one thread when each thread's share would be under
 # this many elements (its default is 512) at the batch size it compiled with. The glue between the
@@ -77,7 +76,7 @@ class Chains:
                 at += b.n
             if tail == "attn_in":
                 batch += [at + i for i in ATTN_IN_BATCH if isinstance(args[at + i], torch.Tensor)]
-            product = rows_product if self.many else gemv
+            product = matmul_rows if self.many else gemv
             fn = chain(blocks, tail, consts, product)
             batch_args = tuple(batch) if self.many else ()
             options = {"cpp.min_chunk_size": MANY_MIN_CHUNK} if self.many else None

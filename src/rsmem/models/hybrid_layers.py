@@ -19,10 +19,10 @@ import torch
 
 from rsmem.batch.batch import UBatch
 from rsmem.hugepages import huge_page_copies
-from rsmem.models.ops.fused import RowsOperand
+from rsmem.models.ops.fused import RowsOperand, matmul_rows
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import HeldMatrices
-from rsmem.models.ops.small_rows import SmallRows, rows_operand, rows_product
+from rsmem.models.ops.small_rows import SmallRows, rows_operand
 from rsmem.models.protocol import StateAccess
 
 __all__ = [
@@ -79,7 +79,7 @@ def hold_model(
 
 def many_operand(held: HeldMatrices, weight_t: torch.Tensor) -> SmallRows | RowsOperand:
     """A held ``[in, out]`` matrix as several sequences' products
-    (:func:`~rsmem.models.ops.small_rows.rows_product`) take it: with its oneDNN packed twin
+    (:func:`~rsmem.models.ops.fused.matmul_rows`) take it: with its oneDNN packed twin
     (:func:`~rsmem.models.ops.small_rows.rows_operand`: the C++ few-row kernel up to 16 rows when the kernels
     are loaded, the twin beyond), else its ``[out, in]`` rows."""
     packed = held.packed.twin(weight_t)
@@ -92,7 +92,7 @@ def many_head(held: HeldMatrices, rows: torch.Tensor, lm_head: torch.Tensor) -> 
     weights: 14.5 against 9.4 GB/s at 8 rows in the kernel's commit), else :meth:`HeldMatrices.linear`."""
     if held.packed.twin(lm_head) is None:
         return held.linear(rows, lm_head)
-    return rows_product(rows, many_operand(held, lm_head))
+    return matmul_rows(rows, many_operand(held, lm_head))
 
 
 def rope_tables(pos: torch.Tensor, base: float, n_rot: int) -> RopeTables:

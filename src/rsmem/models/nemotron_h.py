@@ -37,12 +37,11 @@ from rsmem.models.hybrid_layers import (
 )
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
-from rsmem.models.ops.fused import mamba2_layer_one_
+from rsmem.models.ops.fused import mamba2_layer_many_, mamba2_layer_one_
 from rsmem.models.ops.hybrid_fused import (
     Block,
     attn_out_many,
     attn_out_one,
-    mamba2_layer_rows_,
     relu2_mlp_many,
     relu2_mlp_one,
 )
@@ -205,7 +204,7 @@ class NemotronHModel:
             self._mlp = Block(relu2_mlp_one, 3, (cfg.eps,))
             self._attn_out = Block(attn_out_one, 2)  # o, wo
             self._chains = Chains()  # one sequence
-            self._mamba_many = Block(mamba2_layer_rows_, 11, (cfg.n_group, cfg.eps), mutated=(9, 10))
+            self._mamba_many = Block(mamba2_layer_many_, 11, (cfg.n_group, cfg.eps), mutated=(9, 10))
             self._mlp_many = Block(relu2_mlp_many, 3, (cfg.eps,))
             self._attn_out_many = Block(attn_out_many, 2, batch=(0,))  # o: one row a sequence
             self._chains_many = Chains(many=True)  # one token of each of several sequences

@@ -9,7 +9,7 @@ fourth layer that is 7 calls a token, 3 compilations. The delta rule of one toke
 new state is not read back (:func:`delta_step_`): ``o = S' q = e^g S q + (k . q) delta``.
 
 Products are :func:`~rsmem.models.ops.fused.gemv` over ``[out, in]`` rows for one sequence (static shapes)
-and :func:`~rsmem.models.ops.small_rows.rows_product` for several (the few-row kernel, oneDNN's packed
+and :func:`~rsmem.models.ops.fused.matmul_rows` for several (the few-row kernel, oneDNN's packed
 twins beyond 16 rows; the batch dimension dynamic). Each compiled function is checked before first use with
 an eager fallback (:class:`~rsmem.models.compiled.CompiledStep`); :func:`stretch` is correct eagerly too.
 """
@@ -26,10 +26,9 @@ import torch.nn.functional as F
 from rsmem.models.compiled import CompiledStep
 from rsmem.models.hybrid_decode import MANY_MIN_CHUNK
 from rsmem.models.ops.delta_net import l2_norm
-from rsmem.models.ops.fused import Product, gemv
+from rsmem.models.ops.fused import Product, gemv, matmul_rows
 from rsmem.models.ops.hybrid_fused import swiglu_
 from rsmem.models.ops.norm import rms_norm
-from rsmem.models.ops.small_rows import rows_product
 
 __all__ = ["DELTA_TENSORS", "AttnIn", "DeltaDims", "QwenChains", "delta_step_", "stretch"]
 
@@ -209,7 +208,7 @@ class QwenChains:
         key = (has_out, n_delta, tail)
         found = self._steps.get(key)
         if found is None:
-            fn = stretch(rows_product if self.many else gemv, self.dims, has_out, n_delta, tail)
+            fn = stretch(matmul_rows if self.many else gemv, self.dims, has_out, n_delta, tail)
             at = 1 + (OUT_TENSORS if has_out else 0)
             mutated = [at + n * DELTA_TENSORS + m for n in range(n_delta) for m in DELTA_MUTATED]
             batch = [0, *(1 + b for b in OUT_BATCH if has_out), *mutated]

@@ -167,7 +167,7 @@ class RwkvModelBase:
         return self.compile_decode
 
     def rows_operand(self, weight_t: torch.Tensor) -> RowsOperand | SmallRows:
-        """A held ``[in, out]`` matrix as :func:`~rsmem.models.ops.small_rows.rows_product` takes it for
+        """A held ``[in, out]`` matrix as :func:`~rsmem.models.ops.fused.matmul_rows` takes it for
         several rows: with its oneDNN packed twin (:func:`~rsmem.models.ops.small_rows.rows_operand`: the
         few-row kernel too when the C++ kernels are built), else the ``[out, in]`` view."""
         packed = self.held.packed.twin(weight_t)

@@ -3,7 +3,7 @@
 
 Each block takes its products as ``product``: :func:`~rsmem.models.ops.fused.gemv` for one sequence's
 token (``*_one``: matrices as ``[out, in]`` rows, a fused reduction streaming them) or
-:func:`~rsmem.models.ops.small_rows.rows_product` for one token of each of several sequences (``*_many``:
+:func:`~rsmem.models.ops.fused.matmul_rows` for one token of each of several sequences (``*_many``:
 matrices as :func:`~rsmem.models.ops.small_rows.rows_operand` gives them: the C++ few-row kernel up to 16
 rows, oneDNN's packed twin beyond, one extern call inside the compiled code). A decode step chains the
 blocks between attention layers into one compiled call (:func:`chain`); the KV cache's store and attention
@@ -20,9 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rsmem.models.ops.fused import Product, gemv, mamba2_layer_
+from rsmem.models.ops.fused import Product, gemv, matmul_rows
 from rsmem.models.ops.norm import rms_norm
-from rsmem.models.ops.small_rows import rows_product
 
 
 def swiglu_(
@@ -122,13 +121,13 @@ def relu2_mlp_(
     return x + product(torch.relu(product(rms_norm(x, norm, eps), up)).square(), down)
 
 
-# the blocks for one sequence (gemv) and for several (rows_product)
+# the blocks for one sequence (gemv) and for several (matmul_rows)
 def lfm2_conv_one_(*args: Any) -> torch.Tensor:
     return lfm2_conv_(gemv, *args)
 
 
 def lfm2_conv_many_(*args: Any) -> torch.Tensor:
-    return lfm2_conv_(rows_product, *args)
+    return lfm2_conv_(matmul_rows, *args)
 
 
 def lfm2_attn_out_one(*args: Any) -> torch.Tensor:
@@ -136,7 +135,7 @@ def lfm2_attn_out_one(*args: Any) -> torch.Tensor:
 
 
 def lfm2_attn_out_many(*args: Any) -> torch.Tensor:
-    return lfm2_attn_out_(rows_product, *args)
+    return lfm2_attn_out_(matmul_rows, *args)
 
 
 def attn_out_one(*args: Any) -> torch.Tensor:
@@ -144,7 +143,7 @@ def attn_out_one(*args: Any) -> torch.Tensor:
 
 
 def attn_out_many(*args: Any) -> torch.Tensor:
-    return attn_out_(rows_product, *args)
+    return attn_out_(matmul_rows, *args)
 
 
 def relu2_mlp_one(*args: Any) -> torch.Tensor:
@@ -152,12 +151,7 @@ def relu2_mlp_one(*args: Any) -> torch.Tensor:
 
 
 def relu2_mlp_many(*args: Any) -> torch.Tensor:
-    return relu2_mlp_(rows_product, *args)
-
-
-def mamba2_layer_rows_(*args: Any) -> torch.Tensor:
-    """Nemotron-H's Mamba-2 block (:func:`~rsmem.models.ops.fused.mamba2_layer_`) for several sequences."""
-    return mamba2_layer_(rows_product, *args)
+    return relu2_mlp_(matmul_rows, *args)
 
 
 # ------------------------------------------------------------------------------ chains of blocks

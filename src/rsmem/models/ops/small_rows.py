@@ -14,8 +14,7 @@ op (a compiled step with a dynamic batch needs no guard on it).
 - :func:`rows_operand`: how a batched step takes a float32 matrix with a packed twin: a
   :class:`~rsmem.models.ops.fused.SmallRows`
   when the kernels are loaded, else :class:`~rsmem.models.ops.fused.Packed` (oneDNN for every row count).
-- :func:`rows_product`: ``x @ weight.T`` for either (or any operand
-  :func:`~rsmem.models.ops.fused.matmul_rows` takes).
+- :func:`~rsmem.models.ops.fused.matmul_rows` multiplies by either (it dispatches :class:`SmallRows`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 
 from rsmem.kernels.build import native_ops
-from rsmem.models.ops.fused import Packed, RowsOperand, SmallRows, matmul_rows
+from rsmem.models.ops.fused import Packed, SmallRows
 
 # Rows up to which the kernel runs (more go to oneDNN's packed product): at 16 rows the two are about even.
 MAX_ROWS = 16
@@ -74,10 +73,3 @@ def rows_operand(plain: torch.Tensor, packed: torch.Tensor) -> SmallRows | Packe
     if plain.dtype == torch.float32 and plain.stride(-1) == 1 and kernel_ops() is not None:
         return SmallRows(plain, packed, MAX_ROWS)
     return Packed(packed)
-
-
-def rows_product(x: torch.Tensor, weight: SmallRows | RowsOperand) -> torch.Tensor:
-    """``x @ weight.T`` for ``x`` ``[Bs, in]``: :func:`~rsmem.models.ops.fused.matmul_rows`, which takes a
-    :class:`SmallRows` through ``rows_linear`` (kernel or packed twin by ``Bs``) and any other operand as
-    before."""
-    return matmul_rows(x, weight)

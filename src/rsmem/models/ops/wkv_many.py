@@ -1,6 +1,6 @@
 """A whole RWKV-7 or RWKV-6 decode step of several sequences (one token each) as one function, for
 ``torch.compile`` with a dynamic batch (see :mod:`rsmem.models.compiled`): every block and the head, the
-big products through :func:`~rsmem.models.ops.small_rows.rows_product` (the C++ few-row kernel up to 16
+big products through :func:`~rsmem.models.ops.fused.matmul_rows` (the C++ few-row kernel up to 16
 sequences, oneDNN's packed twins beyond, or those twins alone when the kernels are not built; one op called
 from the compiled code), everything between them fused by inductor.
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rsmem.models.ops.small_rows import rows_product
+from rsmem.models.ops.fused import matmul_rows
 from rsmem.models.ops.wkv_fused import DECAY_SCALE, GROUP_NORM_EPS, N6_PER_LAYER, N_PER_LAYER
 
 # Inductor options of the several-sequence steps: a kernel runs on one thread when each thread's share would
@@ -91,18 +91,18 @@ def _rwkv7_layer_many(
     h = F.layer_norm(x, (c,), attn_norm, attn_norm_b, eps)
     sx = shift[:, 0] - h
     xr, xw, xk, xv, xa, xg = (h + sx * lerp[i] for i in range(6))
-    r, k, v = rows_product(xr, wr), rows_product(xk, wk), rows_product(xv, wv)
+    r, k, v = matmul_rows(xr, wr), matmul_rows(xk, wk), matmul_rows(xv, wv)
     y, v_first = _rwkv7_wkv_many(
         xw, xv, xa, xg, r, k, v, v_first, wkv, w0, w1, w2, a0, a1, a2, v0, v1, v2, g1, g2, k_k, k_a, r_k,
         ln_x, ln_x_b,
     )  # fmt: skip
-    x = x + rows_product(y, wo)
+    x = x + matmul_rows(y, wo)
     f = F.layer_norm(x, (c,), ffn_norm, ffn_norm_b, eps)
     xk = f + (shift[:, 1] - f) * ffn_lerp_k
     shift[:, 0].copy_(h)
     shift[:, 1].copy_(f)
-    kf = torch.relu(rows_product(xk, ffn_key)).square()
-    return x + rows_product(kf, ffn_value), v_first
+    kf = torch.relu(matmul_rows(xk, ffn_key)).square()
+    return x + matmul_rows(kf, ffn_value), v_first
 
 
 def rwkv7_token_many_(
@@ -122,7 +122,7 @@ def rwkv7_token_many_(
     v_first: torch.Tensor | None = None
     for i in range(0, len(flat), N_PER_LAYER):
         x, v_first = _rwkv7_layer_many(x, v_first, eps, *flat[i : i + N_PER_LAYER])
-    return rows_product(F.layer_norm(x, (c,), norm_f, norm_f_b, eps), lm_head)
+    return matmul_rows(F.layer_norm(x, (c,), norm_f, norm_f_b, eps), lm_head)
 
 
 # ---------------------------------------------------------------------------------------------- RWKV-6
@@ -140,16 +140,16 @@ def _rwkv6_time_mix_many(x: torch.Tensor, prev: torch.Tensor, n_head: int, *t: A
     offsets = torch.einsum("bge,gce->bgc", mixer, w2)  # [Bs, 5, C]
     xw, xk, xv, xr, xg = (x.unsqueeze(1) + sx.unsqueeze(1) * (offsets + lerp)).unbind(1)
     heads = (n_seqs, n_head, n)
-    r = rows_product(xr, wr).view(heads)
-    k = rows_product(xk, wk).view(heads)
-    v = rows_product(xv, wv).view(heads)
-    g = F.silu(rows_product(xg, wg))
+    r = matmul_rows(xr, wr).view(heads)
+    k = matmul_rows(xk, wk).view(heads)
+    v = matmul_rows(xv, wv).view(heads)
+    g = F.silu(matmul_rows(xg, wg))
     w = torch.exp(-torch.exp(decay + F.linear(torch.tanh(F.linear(xw, decay_w1)), decay_w2))).view(heads)
     # the output reads the old state (r^T S, then the bonus), fused with the in-place store of the new one
     y = (wkv * r.unsqueeze(-1)).sum(-2) + (r * u * k).sum(-1, keepdim=True) * v  # [Bs, H, V]
     wkv.copy_(wkv * w.unsqueeze(-1) + k.unsqueeze(-1) * v.unsqueeze(-2))
     y = F.group_norm(y.reshape(n_seqs, c), n_head, ln_x, ln_x_b, GROUP_NORM_EPS)
-    return rows_product(y * g, wo)
+    return matmul_rows(y * g, wo)
 
 
 def rwkv6_token_many_(
@@ -175,11 +175,11 @@ def rwkv6_token_many_(
         x = x + _rwkv6_time_mix_many(h, shift[:, 0], n_head, *t)
         f = F.layer_norm(x, (c,), ffn_norm, ffn_norm_b, eps)
         sx = shift[:, 1] - f
-        rf = torch.sigmoid(rows_product(f + sx * lerp_r, w_rec))
-        kf = torch.relu(rows_product(f + sx * lerp_k, w_key)).square()
+        rf = torch.sigmoid(matmul_rows(f + sx * lerp_r, w_rec))
+        kf = torch.relu(matmul_rows(f + sx * lerp_k, w_key)).square()
         shift[:, 0].copy_(h)
         shift[:, 1].copy_(f)
-        x = x + rf * rows_product(kf, w_value)
+        x = x + rf * matmul_rows(kf, w_value)
         if rescale_every and (il + 1) % rescale_every == 0:
             x = x * 0.5
-    return rows_product(F.layer_norm(x, (c,), norm_f, norm_f_b, eps), lm_head)
+    return matmul_rows(F.layer_norm(x, (c,), norm_f, norm_f_b, eps), lm_head)
