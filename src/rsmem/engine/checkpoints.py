@@ -132,6 +132,14 @@ class CheckpointCache:
             points.update(range(self.interval, end, self.interval))
         return sorted(p for p in points if start < p <= end)
 
+    def covered(self, prompt: Sequence[int]) -> int:
+        """The tokens the longest cached proper prefix of ``prompt`` covers (in RAM or in the cache dir):
+        what :meth:`restore_best` would restore now. Looks only (no hit counted, nothing read)."""
+        limit = len(prompt) - 1
+        found = self.tree.match(prompt, max_len=limit, touch=False)
+        on_disk = None if self.disk is None else self.disk.match(prompt, limit)
+        return max(0 if found is None else found.n_tokens, 0 if on_disk is None else on_disk.n_tokens)
+
     def restore_best(self, prompt: Sequence[int], seq: int, at_least: int) -> int:
         """Restore into ``seq`` the checkpoint of the longest cached proper prefix of ``prompt`` (in RAM
         or in the cache dir), if it covers more than ``at_least`` tokens; returns the tokens it covers

@@ -2,7 +2,8 @@
 
 Each ``step()`` is admit -> plan -> run -> commit -> sample:
 
-- **admit**: waiting requests take free sequences (all ``n`` of them at once, FIFO);
+- **admit**: waiting requests take free sequences (all ``n`` of them at once, FIFO), or wait for a
+  request being prefilled that shares their prefix (``engine/admission.py``);
 - **plan**: every decoding completion contributes its last sampled token; prompts being prefilled
   contribute chunks from what is left of the per-step token budget (``max_batch_tokens``), so a long
   prompt never stalls decoding. Planning changes nothing;
@@ -27,6 +28,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 
 from rsmem.context import Context
+from rsmem.engine.admission import Admission
 from rsmem.engine.checkpoints import DEFAULT_DISK_BYTES, CheckpointCache
 from rsmem.engine.kept import KeptSequences
 from rsmem.engine.lifecycle import Lifecycle
@@ -127,6 +129,9 @@ class Engine:
         # checkpoints inside a prefill are captured from the chunk (a recurrent memory) or cut there
         self.reuse = PromptReuse(
             self.pool, self.checkpoints, self.stats, captures=isinstance(memory, RecurrentMemory)
+        )
+        self.admission = Admission(
+            self.pool, self.reuse, self.checkpoints, self.stats, self.waiting, self.running
         )
         self.lifecycle = Lifecycle(memory, self.pool, self.checkpoints, self.stats, self.running)
         self.output = OutputProcessor(Sampler(), tokenizer, self.stats, self.lifecycle)
@@ -250,7 +255,7 @@ class Engine:
         A failure belongs to the requests it came from (see the module docstring); ``step`` raises only
         for ``KeyboardInterrupt`` and the like, after failing the interrupted batch's requests.
         """
-        self._admit()
+        self.admission.admit()
         cap, alone = step_caps(self.prefill_cap, self.step_cost, queued=bool(self.waiting))
         captures = self.reuse.captures
         plan = plan_step(
@@ -280,40 +285,6 @@ class Engine:
             touched[req.request_id] = req
             self.requests.pop(req.request_id, None)
         return [report(r) for r in touched.values()]
-
-    def _admit(self) -> None:
-        """Give waiting requests their sequences. Requests without a slot go in arrival order (one that
-        does not fit blocks the later ones, so large ``n`` is not starved); a request pinned to a busy
-        slot waits for it without blocking anyone, and the others avoid the slots pinned requests wait for.
-        """
-        pool = self.pool
-        wanted = {r.slot for r in self.waiting if r.slot is not None and not r.finished}
-        blocked = False
-        for req in list(self.waiting):
-            if req.finished:  # aborted while waiting
-                self.waiting.remove(req)
-                continue
-            if req.session is not None:
-                first = req.session.seq_id
-            elif req.slot is not None:
-                if not pool.is_free(req.slot) or pool.n_free < req.params.n:
-                    continue
-                first = req.slot
-                wanted.discard(req.slot)
-            elif not blocked and pool.n_free >= req.params.n:
-                first = pool.best_free(req.prompt_tokens, avoid=wanted)
-            else:
-                blocked = True
-                continue
-            self.waiting.remove(req)
-            if req.session is None:
-                self.reuse.start(req, first)
-            req.completions[0].seq_id = first
-            for c in req.completions[1:]:
-                c.seq_id = pool.best_free([], avoid=wanted)
-                pool.take(c.seq_id, [])
-            req.phase = Phase.PREFILL
-            self.running.append(req)
 
     def _commit(self, plan: list[Planned]) -> None:
         """The decode succeeded: prompts and replays advance, finished prompts fork into their other

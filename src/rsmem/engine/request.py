@@ -68,6 +68,16 @@ class Session:
 
 
 @dataclass(slots=True)
+class Follow:
+    """A waiting request's wait for ``leader``, a request being prefilled whose prompt shares its first
+    ``n_tokens``: the leader's checkpoint there will serve both (see ``engine/admission.py``)."""
+
+    leader: Request
+    n_tokens: int
+    steps_left: int  # the wait ends after this many more steps, whatever the leader did
+
+
+@dataclass(slots=True)
 class Request:
     request_id: str
     prompt_tokens: list[int]
@@ -83,6 +93,8 @@ class Request:
     suspect: bool = False  # in a batch the model failed on: runs alone until it produces output
     boundaries: tuple[int, ...] = ()  # prompt positions worth a checkpoint (e.g. chat message ends)
     checkpoint_at: list[int] = field(default_factory=list)  # prompt positions to checkpoint, sorted
+    follow: Follow | None = None  # waiting for a leader's checkpoint of a shared prefix
+    followed: bool = False  # has waited for a leader once (it never waits again)
 
     @property
     def finished(self) -> bool:

@@ -26,6 +26,7 @@ class EngineStats:
     cache_hits_rollback: int = 0  # prompts continued from a free sequence's state rolled back (n_rs_seq)
     cache_hits_checkpoint: int = 0  # prompts continued from a checkpoint of the prefix cache
     cache_misses: int = 0  # prompts computed from the start
+    shared_prefix_waits: int = 0  # requests that waited for another's prefill of a shared prefix
 
     def count_cache_use(self, kind: str) -> None:
         """A prompt started: ``kind`` is "extension", "rollback", "checkpoint" or "miss"."""
