@@ -19,6 +19,12 @@ inductor bug) falls back to the eager path with a
 warning before any state was touched. Each variant (one sequence; several sequences, with a dynamic batch
 size so that continuous batching does not recompile) is compiled once per model shape; creating one raises
 torch's per-function recompile limit to ``RECOMPILE_LIMIT`` (a process-wide dynamo setting).
+
+The GIL: inductor calls its C++ kernels through Python bindings that keep the GIL for the whole kernel
+(torch 2.13's ``CppPythonBindingsCodeCache``), so while a compiled step runs no other Python thread can
+(``rsmem serve``'s event loop waits for every step). Creating a ``CompiledStep`` makes the bindings release
+the GIL around each kernel once its arguments are read (:func:`release_gil_in_kernels`, process-wide: the
+kernels are plain C++ loops over raw pointers and call nothing in Python).
 """
 
 from __future__ import annotations
@@ -100,6 +106,7 @@ class CompiledStep(Generic[R]):
         """``options``: inductor options beside :data:`INDUCTOR_OPTIONS` (e.g. ``cpp.min_chunk_size``)."""
         self.fn = fn
         self.batch_args = batch_args
+        release_gil_in_kernels()
         self._mutated = mutated if callable(mutated) else mutated.__contains__
         self._compiled = torch.compile(
             fn,
@@ -157,3 +164,27 @@ class CompiledStep(Generic[R]):
                     stacklevel=2,
                 )
         return self.fn(*args)
+
+
+# torch's binding calls the kernel holding the GIL; the replacement reads the arguments (Python objects) with
+# the GIL, then runs the kernel without it (a C++ exception takes the GIL back before it propagates).
+_TORCH_KERNEL_CALL = "kernel({}); Py_RETURN_NONE;"
+_GIL_FREE_KERNEL_CALL = (
+    "[&](auto... a) {{ PyThreadState* s = PyEval_SaveThread(); "
+    "try {{ kernel(a...); }} catch (...) {{ PyEval_RestoreThread(s); throw; }} "
+    "PyEval_RestoreThread(s); }}({}); Py_RETURN_NONE;"
+)
+
+
+def release_gil_in_kernels() -> bool:
+    """Make inductor's C++ kernels compiled from now on in this process run without the GIL; True when they
+    do. Only torch's known binding is replaced (another torch version's is left as it is: False). The
+    binding is part of each kernel's source, so kernels built before or cached with the old binding are
+    never mixed up with these."""
+    try:
+        from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
+    except ImportError:
+        return False
+    if Bindings.call_entry_function == _TORCH_KERNEL_CALL:
+        Bindings.call_entry_function = _GIL_FREE_KERNEL_CALL
+    return Bindings.call_entry_function == _GIL_FREE_KERNEL_CALL
