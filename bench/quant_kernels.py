@@ -31,16 +31,20 @@ import torch.nn.functional as F
 
 # isort: on
 
-from rsmem.kernels import KERNEL_TYPES, qmatmul
+from rsmem.kernels import HALF_TYPES, MATRIX_TYPES, qmatmul
 from rsmem.kernels.build import native_ops
 from rsmem.kernels.formats import block_shape
 
 SHAPES = {"in_proj": (3072, 768), "out_proj": (768, 1536), "m2_in_proj": (3352, 768), "head": (50280, 768)}
-TYPES = {t.name.lower(): t for t in KERNEL_TYPES}
+TYPES = {t.name.lower(): t for t in MATRIX_TYPES}  # f16 and bf16: rows of 2-byte values (kept as stored)
 
 
 def random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
-    """Random block bytes with small finite f16 scales where each layout keeps them."""
+    """Random block bytes with small finite f16 scales where each layout keeps them; F16 / BF16 rows of
+    random values."""
+    if qtype in HALF_TYPES:
+        values = torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32) * 0.02)
+        return values.to(torch.float16 if qtype == HALF_TYPES[0] else torch.bfloat16).view(torch.uint8)
     bs, ts = block_shape(qtype)
     b = rng.integers(0, 256, (n, k // bs, ts), dtype=np.uint8)
     d = (rng.random((n, k // bs)) * 0.02 + 0.001).astype(np.float16).view(np.uint8).reshape(n, k // bs, 2)
@@ -92,7 +96,8 @@ def main() -> None:
     ap.add_argument(
         "--routes",
         default="",
-        help="C++ routes to time as well, forced (0 registers, 1 f32 tiles, 2 bf16 tiles, 3 int8); "
+        help="C++ routes to time as well, forced (0 registers, 1 f32 tiles, 2 bf16 tiles, 3 int8; f16 / "
+        "bf16: 0 registers, 1 widened chunks); "
         "a route without a kernel for a type is skipped",
     )
     args = ap.parse_args()

@@ -28,7 +28,16 @@ from rsmem import settings
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("qmatmul.cpp", "ssd_scan.cpp", "rows_f32.cpp")
-HEADERS = ("blocks.h", "bf16_tiles.h", "float_routes.h", "int8.h", "int8_gemm.h", "int8_small.h")
+HEADERS = (
+    "blocks.h",
+    "bf16_tiles.h",
+    "float_routes.h",
+    "half_routes.h",
+    "int8.h",
+    "int8_gemm.h",
+    "int8_small.h",
+    "rows_kernel.h",
+)
 CFLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp")
 
 _lock = threading.Lock()

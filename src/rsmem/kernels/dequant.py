@@ -26,6 +26,11 @@ def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
+def _bf16(b: torch.Tensor) -> torch.Tensor:
+    """Two bytes per value (last dimension) as bfloat16, widened to float32: ``[..., 2] -> [..., 1]``."""
+    return b.contiguous().view(torch.bfloat16).float()
+
+
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
     return _f16(b[:, :2]) * b[:, 2:].contiguous().view(torch.int8).float()
 
@@ -66,7 +71,15 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q.reshape(n, 16, 16).float()).reshape(n, 256)
 
 
-_BLOCK_DEQUANT = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+_BLOCK_DEQUANT = {
+    Q.Q8_0: _q8_0,
+    Q.Q4_0: _q4_0,
+    Q.Q4_K: _q4_k,
+    Q.Q5_K: _q5_k,
+    Q.Q6_K: _q6_k,
+    Q.F16: _f16,
+    Q.BF16: _bf16,
+}
 
 
 def dequantize_rows(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:

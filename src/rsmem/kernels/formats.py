@@ -17,7 +17,12 @@ Q5_K     256   176   as Q4_K with 32 bytes of fifth bits (bit j of byte i: value
                      the nibbles
 Q6_K     256   210   128 bytes of low nibbles, 64 bytes of high bit pairs, 16 int8 scales, f16 d:
                      ``d * sc * (q - 32)`` per sub-block of 16
+F16      1     2     an IEEE half (widened to float32 exactly)
+BF16     1     2     a bfloat16: the high 16 bits of its float32
 ======== ===== ===== ===================================================================================
+
+F16 and BF16 rows are the file's 2-byte values, ``row_bytes = 2 * K`` (any ``K``); their products widen
+them to float32 as they are used (:data:`HALF_TYPES`).
 """
 
 from __future__ import annotations
@@ -29,12 +34,18 @@ Q = gguf.GGMLQuantizationType
 
 # The types kept in block form and multiplied by rsmem.kernels.
 KERNEL_TYPES: tuple[gguf.GGMLQuantizationType, ...] = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# The float types kept as stored: 2-byte values, multiplied as float32 (only the summation order differs
+# from the float32 product with the widened matrix).
+HALF_TYPES: tuple[gguf.GGMLQuantizationType, ...] = (Q.F16, Q.BF16)
+# Every type a matrix multiplied by rsmem.kernels may have.
+MATRIX_TYPES: tuple[gguf.GGMLQuantizationType, ...] = KERNEL_TYPES + HALF_TYPES
 
 
 def block_shape(qtype: int) -> tuple[int, int]:
-    """``(values per block, bytes per block)`` of a kernel type; ValueError for any other type."""
-    if qtype not in KERNEL_TYPES:
-        names = ", ".join(t.name for t in KERNEL_TYPES)
+    """``(values per block, bytes per block)`` of a kernel type (:data:`MATRIX_TYPES`); ValueError for any
+    other type."""
+    if qtype not in MATRIX_TYPES:
+        names = ", ".join(t.name for t in MATRIX_TYPES)
         raise ValueError(f"qtype {qtype!r} has no kernel (kernel types: {names})")
     block_size, type_size = gguf.GGML_QUANT_SIZES[Q(qtype)]
     return block_size, type_size

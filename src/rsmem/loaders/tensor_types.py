@@ -4,9 +4,12 @@ Every float type and every quantized type the ``gguf`` package can dequantize lo
 K-quants Q2_K ... Q6_K, the IQ and TQ types, MXFP4, NVFP4). For the architectures whose models multiply
 quantized matrices (:data:`KEEPING_ARCHS`), the matrices of the types :mod:`rsmem.kernels` has kernels for
 (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) stay in their blocks, as :class:`~rsmem.models.ops.quantized.QuantMatrix`:
-the resident weights are the file's bytes. Every other quantized tensor is dequantized once, at load, with
-gguf-py's reference dequantizer (the one llama.cpp's own Python tools use) into float32; the model then
-casts its matrices to its compute dtype (bfloat16 with ``dtype=torch.bfloat16``). :data:`HOLDING` and
+the resident weights are the file's bytes. So do their F16 and BF16 matrices (2 bytes a value, widened to
+float32 in the kernels' registers) when the C++ kernels are available (:func:`half_kernels`; without them,
+RSMEM_KERNELS=0 or no compiler, they are converted to float32 at load). Every other quantized tensor is
+dequantized once, at load, with gguf-py's reference dequantizer (the one llama.cpp's own Python tools use)
+into float32; the model then casts its matrices to its compute dtype (bfloat16 with
+``dtype=torch.bfloat16``). :data:`HOLDING` and
 :func:`holding_of` say how each type is held.
 
 A tensor whose bytes are short (a truncated file), whose rows do not fill whole blocks, whose type rsmem
@@ -29,7 +32,8 @@ import numpy as np
 import torch
 
 from rsmem.errors import ModelFormatError
-from rsmem.kernels.formats import KERNEL_TYPES
+from rsmem.kernels.build import native_ops
+from rsmem.kernels.formats import HALF_TYPES, KERNEL_TYPES
 from rsmem.models.ops.quantized import QuantMatrix
 
 log = logging.getLogger("rsmem.loaders")
@@ -43,6 +47,7 @@ class Holding(Enum):
     CONVERTED = "converted to float32 at load"
     DEQUANTIZED = "dequantized to float32 at load"
     KEPT = "kept in its blocks (rsmem's kernels)"
+    KEPT_2BYTES = "kept as stored, 2 bytes a value (rsmem's kernels)"
     REQUANTIZED = "requantized to Q8_0 at load (rsmem's kernels)"
 
 
@@ -72,9 +77,19 @@ HOLDING: dict[gguf.GGMLQuantizationType, Holding] = {
 }
 
 
+def half_kernels() -> bool:
+    """Whether F16 and BF16 matrices stay 2 bytes a value: the C++ kernels are built and loaded (builds
+    them on first use; without them a product would widen the whole matrix each time, so the loaders
+    convert such matrices to float32 once instead)."""
+    return native_ops() is not None
+
+
 def holding_of(qtype: gguf.GGMLQuantizationType, keep: bool) -> Holding | None:
     """How a tensor type is held: as :data:`HOLDING` says, or in its blocks when ``keep`` (a model that
-    multiplies quantized matrices) and rsmem has kernels for the type (``KERNEL_TYPES``)."""
+    multiplies quantized matrices) and rsmem has kernels for the type (``KERNEL_TYPES``; F16 and BF16 only
+    when :func:`half_kernels`)."""
+    if keep and qtype in HALF_TYPES:
+        return Holding.KEPT_2BYTES if half_kernels() else HOLDING.get(qtype)
     if keep and qtype in KERNEL_TYPES:
         return Holding.KEPT
     if keep and HOLDING.get(qtype) is Holding.DEQUANTIZED:
@@ -131,8 +146,9 @@ def hold(
 ) -> torch.Tensor | QuantMatrix:
     """The tensor as float32 in numpy order (ggml's shape reversed: a Linear weight reads ``[out, in]``),
     held as :data:`HOLDING` says, or, with ``keep``, a matrix of a kernel type as a :class:`QuantMatrix`
-    of the file's blocks; ModelFormatError names the tensor if its type or bytes are unusable."""
-    if keep and t.tensor_type in KERNEL_TYPES and len(t.shape) == 2:
+    of the file's blocks (as :func:`holding_of` says); ModelFormatError names the tensor if its type or
+    bytes are unusable."""
+    if keep and len(t.shape) == 2 and holding_of(t.tensor_type, keep) in (Holding.KEPT, Holding.KEPT_2BYTES):
         return _keep(t, source)
     values = _float32(t, source)
     if keep and len(t.shape) == 2 and HOLDING.get(t.tensor_type) is Holding.DEQUANTIZED:
@@ -179,12 +195,14 @@ def _float32(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> torch.Tens
 
 def _keep(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> QuantMatrix:
     """A matrix of a kernel type as its blocks, copied out of the file's memory map (one row of
-    ``row_bytes`` per output); non-finite block scales are refused as :func:`hold` refuses them."""
+    ``row_bytes`` per output); non-finite block scales are refused as :func:`hold` refuses them (F16 and
+    BF16 values, like their float32 conversion, are not checked)."""
     _check_size(t, source)
     n_in, n_out = (int(d) for d in t.shape.tolist())
-    blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(n_out, -1))
+    data = np.array(t.data)  # a copy; gguf's reader gives F16 as float16 values, the others as bytes
+    blocks = torch.from_numpy(data.view(np.uint8).reshape(n_out, -1))
     matrix = QuantMatrix(blocks, int(t.tensor_type), (n_out, n_in))
-    if not _scales_finite(blocks, t.tensor_type):
+    if t.tensor_type in KERNEL_TYPES and not _scales_finite(blocks, t.tensor_type):
         raise ModelFormatError(
             f"{source}: tensor {t.name!r} ({t.tensor_type.name}) dequantizes to non-finite values: "
             "its block scales are corrupt"
@@ -238,7 +256,7 @@ class TypeSummary:
 
     @property
     def held_bytes(self) -> int:
-        if self.holding is Holding.KEPT:
+        if self.holding in (Holding.KEPT, Holding.KEPT_2BYTES):
             return self.file_bytes
         if self.holding is Holding.REQUANTIZED:
             return self.values // 32 * 34

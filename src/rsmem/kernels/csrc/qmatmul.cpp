@@ -16,6 +16,8 @@
 //     against activations quantized per 32 values as llama.cpp's Q8_0.
 //   4 "int8 panels" (the same types and k, larger M; int8_gemm.h): the same integers, weights repacked 16
 //     rows at a time per task, vpdpbusd.
+// F16 and BF16 matrices (their 2-byte values, widened to float32 as they are used) have their own routes 0
+// (few rows, in registers) and 1 (many rows, widened tiles and at::mm): half_routes.h.
 // Without AVX-512 at compile time (-march=native on another CPU) every route uses the portable scalar
 // decoders of blocks.h (routes 0 and 1 only).
 #include <ATen/ATen.h>
@@ -31,6 +33,7 @@
 #include "bf16_tiles.h"
 #include "blocks.h"
 #include "float_routes.h"
+#include "half_routes.h"
 #include "int8.h"
 #include "int8_gemm.h"
 #include "int8_small.h"
@@ -133,6 +136,33 @@ void check(const at::Tensor& blocks, int64_t k, const char* name) {
   TORCH_CHECK_VALUE(blocks.is_contiguous(), "blocks must be contiguous (rows as the GGUF stores them)");
 }
 
+// F16 / BF16: 2-byte values, `k` of them a row.
+inline void check_half(const at::Tensor& blocks, int64_t k, const char* name) {
+  TORCH_CHECK_VALUE(k > 0, "k=", k, " is not a positive multiple of ", name, "'s block size 1");
+  TORCH_CHECK_VALUE(blocks.scalar_type() == at::kByte && blocks.dim() == 2,
+                    "blocks must be a 2-D uint8 tensor [N, row_bytes], got ", blocks.scalar_type(),
+                    " of shape ", blocks.sizes());
+  TORCH_CHECK_VALUE(blocks.size(1) == 2 * k, "blocks have row_bytes=", blocks.size(1), ", but ", name,
+                    " rows of k=", k, " values take ", 2 * k, " bytes");
+  TORCH_CHECK_VALUE(blocks.is_contiguous(), "blocks must be contiguous (rows as the GGUF stores them)");
+}
+
+// f(rows::F16W{}) or f(rows::BF16W{}) for the half types, after their checks; false for any other type.
+template <class F>
+bool by_half_type(int64_t qtype, const at::Tensor& blocks, int64_t k, F&& f) {
+  if (qtype == kF16) {
+    check_half(blocks, k, "F16");
+    f(rows::F16W{});
+    return true;
+  }
+  if (qtype == kBF16) {
+    check_half(blocks, k, "BF16");
+    f(rows::BF16W{});
+    return true;
+  }
+  return false;
+}
+
 template <class F>
 auto by_type(int64_t qtype, const at::Tensor& blocks, int64_t k, F&& f) {
   switch (qtype) {
@@ -141,12 +171,25 @@ auto by_type(int64_t qtype, const at::Tensor& blocks, int64_t k, F&& f) {
     case kQ4_K: check<Q4_K>(blocks, k, "Q4_K"); return f(Q4_K{});
     case kQ5_K: check<Q5_K>(blocks, k, "Q5_K"); return f(Q5_K{});
     case kQ6_K: check<Q6_K>(blocks, k, "Q6_K"); return f(Q6_K{});
-    default: TORCH_CHECK_VALUE(false, "qtype ", qtype, " has no kernel (kernel types: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)");
+    default: TORCH_CHECK_VALUE(false, "qtype ", qtype,
+                                  " has no kernel (kernel types: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16)");
   }
 }
 
 at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t k, int64_t route) {
   TORCH_CHECK_VALUE(route >= -1 && route <= 4, "route must be -1 (by M), 0, 1, 2, 3 or 4");
+  auto check_x = [&]() {
+    TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == k,
+                      "x must be a float32 [M, ", k, "] tensor, got ", x_in.scalar_type(), " of shape ",
+                      x_in.sizes());
+    TORCH_CHECK_VALUE(x_in.device().is_cpu() && blocks.device().is_cpu(), "x and blocks must be on the CPU");
+  };
+  at::Tensor y;
+  if (by_half_type(qtype, blocks, k, [&](auto w) {
+        check_x();
+        y = half_matmul<decltype(w)>(x_in.contiguous(), blocks, k, route);
+      }))
+    return y;
   return by_type(qtype, blocks, k, [&](auto t) {
     TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == k,
                       "x must be a float32 [M, ", k, "] tensor, got ", x_in.scalar_type(), " of shape ",
@@ -181,6 +224,8 @@ bool set_public(bool on) {
 }
 
 at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t k) {
+  at::Tensor y;
+  if (by_half_type(qtype, blocks, k, [&](auto w) { y = half_widen<decltype(w)>(blocks, k); })) return y;
   return by_type(qtype, blocks, k, [&](auto t) {
     using T = decltype(t);
     const int64_t N = blocks.size(0), nb = k / T::BS, ldw = nb * T::TS;

@@ -1,10 +1,10 @@
 """Matrices kept in a GGUF file's quantized block form, and the products models take with them.
 
 A :class:`QuantMatrix` holds the rows of a ``[out, in]`` matrix exactly as the file stores them (ggml's
-blocks: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; one ``uint8`` row of ``row_bytes`` per output), so a model's
-resident weights are the file's bytes. Its product ``x @ W.T`` runs through :mod:`rsmem.kernels` (C++ kernels
-that dequantize in registers, or their reference twin: dequantize, then matmul), and an embedding lookup
-dequantizes only the rows it reads.
+blocks: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, or F16 / BF16 values, 2 bytes each; one ``uint8`` row of
+``row_bytes`` per output), so a model's resident weights are the file's bytes. Its product ``x @ W.T`` runs
+through :mod:`rsmem.kernels` (C++ kernels that dequantize or widen in registers, or their reference twin:
+dequantize, then matmul), and an embedding lookup dequantizes only the rows it reads.
 
 Where a model holds a float matrix as ``[in, out]`` (see :mod:`rsmem.models.ops.packed`) it can hold a
 QuantMatrix instead: :func:`~rsmem.models.ops.common.linear` and the compiled steps'
@@ -27,7 +27,7 @@ from rsmem.kernels.quant import qmatmul  # the C++ kernels are built at the firs
 
 class QuantMatrix:
     """A ``[out, in]`` matrix in quantized blocks: ``blocks`` ``uint8 [out, row_bytes]``, ``qtype`` a
-    ``gguf.GGMLQuantizationType`` value with a kernel (:data:`rsmem.kernels.formats.KERNEL_TYPES`)."""
+    ``gguf.GGMLQuantizationType`` value with a kernel (:data:`rsmem.kernels.formats.MATRIX_TYPES`)."""
 
     __slots__ = ("blocks", "qtype", "shape")
 
