@@ -2,7 +2,8 @@
 ``torch.compile`` with a dynamic batch (see :mod:`rsmem.models.compiled`): every block and the head, the
 big products through :func:`~rsmem.models.ops.fused.matmul_rows` (the C++ few-row kernel up to 16
 sequences, oneDNN's packed twins beyond, or those twins alone when the kernels are not built; one op called
-from the compiled code), everything between them fused by inductor.
+from the compiled code), the low-rank mixers' products on the calling thread
+(:mod:`~rsmem.models.ops.wkv_lowrank`), everything between them fused by inductor into one-thread kernels.
 
 ``rwkv7_token_many_(x, emb_norm, emb_norm_b, norm_f, norm_f_b, lm_head, eps, n_head, *flat)`` and
 ``rwkv6_token_many_(..., eps, n_head, rescale_every, *flat)`` take the arguments of the one-sequence steps of
@@ -27,14 +28,17 @@ import torch.nn.functional as F
 
 from rsmem.models.ops.fused import matmul_rows
 from rsmem.models.ops.wkv_fused import DECAY_SCALE, GROUP_NORM_EPS, N6_PER_LAYER, N_PER_LAYER
+from rsmem.models.ops.wkv_lowrank import lowrank, matmul_one_thread
 
-# Inductor options of the several-sequence steps: a kernel runs on one thread when each thread's share would
-# be under 65,536 elements at the batch it compiled with (inductor's default is 512), so the glue between
-# the products ([Bs, C] norms, mixes, gates) runs where it is, with no hand-off to a sleeping second thread
-# (as the hybrids' chains, hybrid_decode.MANY_MIN_CHUNK). RWKV-7 130M, 2 threads, load 4-5.5, 3 processes
-# each: voluntary context switches a step 876 -> 562 at 8 sequences, 945 -> 632 at 64; wall a step at 8
-# 49-117 -> 60-110 ms (within the noise), at 64 258-504 -> 250 ms (one process).
-MANY_OPTIONS = {"cpp.min_chunk_size": 1 << 16}
+# Inductor options of the several-sequence steps: every inductor kernel runs on one thread (a kernel goes
+# parallel only when each thread's share is at least 2^24 elements at the batch it compiled with; inductor's
+# default is 512), so the glue between the products and the WKV state updates run where they are, with no
+# hand-off to a sleeping second thread; only the big products (matmul_rows) and nothing else use every thread
+# (the low-rank ones run on one: ops.wkv_lowrank). 2^16 (the glue on one thread, the state updates of 8+
+# sequences on two) took RWKV-7 130M from 876 to 562 voluntary context switches a step at 8 sequences, 945 to
+# 632 at 64 (2 threads); 2^24 with the one-thread low-rank products, 64 sequences, load 5-7: 630 -> 148
+# (RWKV-6: 196), thread CPU unchanged (~215 ms a step; the state updates ~12 ms more on the calling thread).
+MANY_OPTIONS = {"cpp.min_chunk_size": 1 << 24}
 
 
 def _rwkv7_wkv_many(
@@ -57,13 +61,13 @@ def _rwkv7_wkv_many(
     w0, w1, w2, a0, a1, a2, v0, v1, v2, g1, g2, k_k, k_a, r_k, ln_x, ln_x_b = t
     n_seqs, n_head, n, _ = wkv.shape
     c = n_head * n
-    w = torch.exp(-DECAY_SCALE * torch.sigmoid(w0 + F.linear(torch.tanh(F.linear(xw, w1)), w2)))
+    w = torch.exp(-DECAY_SCALE * torch.sigmoid(w0 + lowrank(torch.tanh(lowrank(xw, w1)), w2)))
     if v_first is None:
         v_first = v
     else:
-        v = v + (v_first - v) * torch.sigmoid(v0 + F.linear(F.linear(xv, v1), v2))
-    a = torch.sigmoid(a0 + F.linear(F.linear(xa, a1), a2))
-    g = F.linear(torch.sigmoid(F.linear(xg, g1)), g2)
+        v = v + (v_first - v) * torch.sigmoid(v0 + lowrank(lowrank(xv, v1), v2))
+    a = torch.sigmoid(a0 + lowrank(lowrank(xa, a1), a2))
+    g = lowrank(torch.sigmoid(lowrank(xg, g1)), g2)
     kk = F.normalize((k * k_k).view(n_seqs, n_head, n), dim=-1, p=2.0, eps=1e-12)
     k = k * (1 + (a - 1) * k_a)
     heads = (n_seqs, n_head, n)
@@ -136,15 +140,15 @@ def _rwkv6_time_mix_many(x: torch.Tensor, prev: torch.Tensor, n_head: int, *t: A
     n_seqs, c = x.shape
     n = c // n_head
     sx = prev - x
-    mixer = torch.tanh(F.linear(x + sx * lerp_x, w1)).view(n_seqs, 5, -1)  # [Bs, 5, extra]
-    offsets = torch.einsum("bge,gce->bgc", mixer, w2)  # [Bs, 5, C]
+    mixer = torch.tanh(lowrank(x + sx * lerp_x, w1)).view(n_seqs, 5, -1)  # [Bs, 5, extra]
+    offsets = matmul_one_thread(mixer.transpose(0, 1), w2.transpose(1, 2)).transpose(0, 1)  # [Bs, 5, C]
     xw, xk, xv, xr, xg = (x.unsqueeze(1) + sx.unsqueeze(1) * (offsets + lerp)).unbind(1)
     heads = (n_seqs, n_head, n)
     r = matmul_rows(xr, wr).view(heads)
     k = matmul_rows(xk, wk).view(heads)
     v = matmul_rows(xv, wv).view(heads)
     g = F.silu(matmul_rows(xg, wg))
-    w = torch.exp(-torch.exp(decay + F.linear(torch.tanh(F.linear(xw, decay_w1)), decay_w2))).view(heads)
+    w = torch.exp(-torch.exp(decay + lowrank(torch.tanh(lowrank(xw, decay_w1)), decay_w2))).view(heads)
     # the output reads the old state (r^T S, then the bonus), fused with the in-place store of the new one
     y = (wkv * r.unsqueeze(-1)).sum(-2) + (r * u * k).sum(-1, keepdim=True) * v  # [Bs, H, V]
     wkv.copy_(wkv * w.unsqueeze(-1) + k.unsqueeze(-1) * v.unsqueeze(-2))
