@@ -167,3 +167,18 @@ def test_compiled_steps_on_half_matrices_match_eager(arch: str) -> None:
             out.append(ctx.logits.clone())
         runs.append(torch.cat(out))
     assert_close(runs[1], runs[0])
+
+
+def test_info_counts_values_and_says_how_half_matrices_are_held(capsys: pytest.CaptureFixture[str]) -> None:
+    """``rsmem info`` on the embedded model: F16 kept as stored, the weights held 1.00x the file's tensor
+    bytes, and the parameters counted as values (a kept matrix's bytes are twice its values)."""
+    from rsmem.cli import main
+
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    reader = open_reader(default_model_path())
+    values = sum(int(t.n_elements) for t in reader.tensors if t.name != "output.weight")  # a tied head
+    assert f"parameters:      {values / 1e6:.2f} M" in out
+    f16 = next(line for line in out.splitlines() if " F16 " in line)
+    assert f16.endswith("-> kept as stored, 2 bytes a value (rsmem's kernels) (5.52 MB)")
+    assert "weights held:    5.59 MB, 1.00x the file's 5.59 MB of tensors" in out

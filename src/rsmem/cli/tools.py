@@ -16,6 +16,7 @@ from rsmem.cli.model import model_path
 from rsmem.cli.run import Progress
 from rsmem.errors import RsmemError
 from rsmem.loaders.quantize import convert_then_quantize, quantize_types
+from rsmem.models.ops.quantized import QuantMatrix
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -127,14 +128,18 @@ WEIGHTS = ("embedding", "emb_norm", "emb_norm_b", "norm_f", "norm_f_b", "lm_head
 
 
 def _count_parameters(objects: Sequence[object]) -> int:
-    """Values in the tensors reachable from ``objects`` (lists and slotted layer objects), each tensor
-    storage once (a tied head is not counted twice)."""
+    """Values in the tensors and quantized matrices reachable from ``objects`` (lists and slotted layer
+    objects), each storage once (a tied head is not counted twice)."""
     seen: set[int] = set()
     total = 0
     stack = list(objects)
     while stack:
         obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, QuantMatrix):  # its values, not its bytes
+            if obj.blocks.data_ptr() not in seen:
+                seen.add(obj.blocks.data_ptr())
+                total += obj.numel()
+        elif isinstance(obj, torch.Tensor):
             if obj.data_ptr() not in seen:
                 seen.add(obj.data_ptr())
                 total += obj.numel()
