@@ -165,3 +165,21 @@ def test_followers_of_a_leader_the_model_fails_on_go_on_alone():
 )
 def test_common_prefix(a, b, n):
     assert common_prefix(a, b) == common_prefix(b, a) == n
+
+
+def test_a_session_request_is_never_a_leader():
+    """A session's prompt continues the session's state, so its tokens alone are not the prefix its
+    checkpoints would fold: a request sharing them must compute its own."""
+    model = make_model()
+    engine = engine_for(model)
+    session = engine.open_session()
+    engine.add_request(tail(7, 10), GREEDY, session=session)
+    list(engine.run_until_done())
+    # the session's next prompt is its pending token and these: the same tokens as ``prompt`` starts with
+    prompt = session.pending + SYSTEM + tail(1)
+    expected = fresh(model, prompt)
+    engine.add_request(SYSTEM + tail(0), GREEDY, session=session)
+    rid = engine.add_request(prompt, GREEDY, boundaries=[len(SYSTEM)])
+    outs = finished(engine)
+    assert engine.stats.shared_prefix_waits == 0
+    assert outs[rid].outputs[0].token_ids == expected

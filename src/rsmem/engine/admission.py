@@ -141,7 +141,10 @@ class Admission:
         reusable: int | None = None  # what req could start from now (computed when needed)
         best: tuple[Request, int] | None = None
         for lead in self.running:
-            if lead.phase is not Phase.PREFILL or lead.suspect or lead.completions[0].replay:
+            # a session's prompt continues its state: its prefix is not the prompt's tokens alone
+            if lead.phase is not Phase.PREFILL or lead.session is not None or lead.suspect:
+                continue
+            if lead.completions[0].replay:
                 continue
             shared = min(common_prefix(lead.prompt_tokens, prompt), len(prompt) - 1)
             if shared - lead.n_prefilled < MIN_SHARED or (best is not None and shared <= best[1]):
