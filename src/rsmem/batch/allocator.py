@@ -7,11 +7,14 @@ Validation never touches the memory; it only reads each sequence's last position
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 from rsmem.batch.batch import Batch, UBatch
 from rsmem.errors import InvalidBatchError
+
+T = TypeVar("T")
 
 
 class SequencePositions(Protocol):
@@ -35,6 +38,7 @@ class BatchAllocator:
         self._seq_set: list[int] = []  # bit mask of each token's sequences
         self._seq_set_tokens: dict[int, list[int]] = {}  # mask -> token indices in batch order
         self._used: list[bool] = []
+        self._cursor: dict[int, int] = {}  # set mask -> index in its tokens of the first maybe unused
         self.n_used = 0
 
     # ------------------------------------------------------------------ init
@@ -59,69 +63,91 @@ class BatchAllocator:
         n = len(batch.tokens)
         if n == 0:
             raise InvalidBatchError("batch has no tokens")
-        tokens = [int(t) for t in batch.tokens]
-        for i, tok in enumerate(tokens):
-            if not 0 <= tok < n_vocab:
-                raise InvalidBatchError(f"token {i}: id {tok} is outside the vocabulary [0, {n_vocab})")
+        tokens = list(map(int, batch.tokens))
+        if min(tokens) < 0 or max(tokens) >= n_vocab:
+            i, tok = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < n_vocab)
+            raise InvalidBatchError(f"token {i}: id {tok} is outside the vocabulary [0, {n_vocab})")
 
-        seq_ids = self._checked_seq_ids(batch, n, n_seq_max, allow_coupled)
-        pos = self._filled_positions(batch, n, seq_ids, memory)
+        runs = self._checked_runs(batch, n, n_seq_max, allow_coupled)
+        seq_ids: list[tuple[int, ...]] = []
+        for ids, k in runs:
+            seq_ids += [ids] * k
+        pos = self._filled_positions(batch, n, runs, memory)
         outputs = self._filled_outputs(batch, n, output_all)
-        self._check_positions(pos, seq_ids, memory)
+        if batch.pos is not None or any(len(ids) > 1 for ids, _ in runs):
+            self._check_positions(pos, seq_ids, memory)
+        # else positions were filled from the memory's, one step a token: nothing to check
 
         self.tokens, self.pos, self.seq_ids, self.outputs = tokens, pos, seq_ids, outputs
-        self._seq_set = [sum(1 << s for s in ids) for ids in seq_ids]
+        self._seq_set = []
         self._seq_set_tokens = {}
-        for i, mask in enumerate(self._seq_set):
-            self._seq_set_tokens.setdefault(mask, []).append(i)
+        i = 0
+        for ids, k in runs:
+            mask = sum(1 << s for s in ids)
+            self._seq_set += [mask] * k
+            self._seq_set_tokens.setdefault(mask, []).extend(range(i, i + k))
+            i += k
         self.split_reset()
 
     @staticmethod
-    def _checked_seq_ids(batch: Batch, n: int, n_seq_max: int, allow_coupled: bool) -> list[tuple[int, ...]]:
+    def _checked_runs(
+        batch: Batch, n: int, n_seq_max: int, allow_coupled: bool
+    ) -> list[tuple[tuple[int, ...], int]]:
+        """The batch's sequence ids as runs ``(ids, count)`` of consecutive tokens with the same ids
+        (each run checked once: a batch of a few prompt chunks and decode tokens has a few runs)."""
         if batch.seq_ids is None:
-            return [(0,)] * n
+            return [((0,), n)]
         if len(batch.seq_ids) != n:
             raise InvalidBatchError(f"seq_ids has {len(batch.seq_ids)} entries for {n} tokens")
-        out: list[tuple[int, ...]] = []
-        for i, ids in enumerate(batch.seq_ids):
-            ids_t = tuple(int(s) for s in ids)
-            if not ids_t:
-                raise InvalidBatchError(f"token {i}: has no sequence id")
-            for s in ids_t:
-                if not 0 <= s < n_seq_max:
-                    raise InvalidBatchError(f"token {i}: seq_id {s} is outside [0, {n_seq_max})")
-            if len(set(ids_t)) != len(ids_t):
-                raise InvalidBatchError(f"token {i}: seq_ids {list(ids_t)} repeat a sequence")
-            if len(ids_t) > 1 and not allow_coupled:
-                raise InvalidBatchError(
-                    f"token {i}: belongs to sequences {list(ids_t)}; a recurrent memory cannot couple "
-                    "sequences in one token (decode each sequence's tokens, or fork with seq_cp)"
-                )
-            out.append(ids_t)
-        return out
+        runs: list[tuple[tuple[int, ...], int]] = []
+        i = 0
+        for ids, group in itertools.groupby(map(tuple, batch.seq_ids)):
+            k = len(list(group))
+            runs.append((BatchAllocator._checked_ids(ids, i, n_seq_max, allow_coupled), k))
+            i += k
+        return runs
+
+    @staticmethod
+    def _checked_ids(ids: tuple[int, ...], i: int, n_seq_max: int, allow_coupled: bool) -> tuple[int, ...]:
+        """Token ``i``'s sequence ids, checked."""
+        ids_t = tuple(int(s) for s in ids)
+        if not ids_t:
+            raise InvalidBatchError(f"token {i}: has no sequence id")
+        for s in ids_t:
+            if not 0 <= s < n_seq_max:
+                raise InvalidBatchError(f"token {i}: seq_id {s} is outside [0, {n_seq_max})")
+        if len(set(ids_t)) != len(ids_t):
+            raise InvalidBatchError(f"token {i}: seq_ids {list(ids_t)} repeat a sequence")
+        if len(ids_t) > 1 and not allow_coupled:
+            raise InvalidBatchError(
+                f"token {i}: belongs to sequences {list(ids_t)}; a recurrent memory cannot couple "
+                "sequences in one token (decode each sequence's tokens, or fork with seq_cp)"
+            )
+        return ids_t
 
     @staticmethod
     def _filled_positions(
-        batch: Batch, n: int, seq_ids: list[tuple[int, ...]], memory: SequencePositions | None
+        batch: Batch, n: int, runs: list[tuple[tuple[int, ...], int]], memory: SequencePositions | None
     ) -> list[int]:
         if batch.pos is not None:
             if len(batch.pos) != n:
                 raise InvalidBatchError(f"pos has {len(batch.pos)} entries for {n} tokens")
-            pos = [int(p) for p in batch.pos]
-            for i, p in enumerate(pos):
-                if p < 0:
-                    raise InvalidBatchError(f"token {i}: position {p} is negative")
+            pos = list(map(int, batch.pos))
+            if min(pos) < 0:
+                i, p = next((i, p) for i, p in enumerate(pos) if p < 0)
+                raise InvalidBatchError(f"token {i}: position {p} is negative")
             return pos
         next_pos: dict[int, int] = {}
         pos = []
-        for ids in seq_ids:
+        for ids, k in runs:
             first = ids[0]
-            if first not in next_pos:
-                next_pos[first] = memory.seq_pos_max(first) + 1 if memory is not None else 0
-            p = next_pos[first]
-            pos.append(p)
+            if first in next_pos:
+                p = next_pos[first]
+            else:
+                p = memory.seq_pos_max(first) + 1 if memory is not None else 0
+            pos.extend(range(p, p + k))
             for s in ids:
-                next_pos[s] = p + 1
+                next_pos[s] = p + k
         return pos
 
     @staticmethod
@@ -132,7 +158,7 @@ class BatchAllocator:
             return [False] * (n - 1) + [True]
         if len(batch.logits) != n:
             raise InvalidBatchError(f"logits has {len(batch.logits)} entries for {n} tokens")
-        return [bool(x) for x in batch.logits]
+        return list(map(bool, batch.logits))
 
     @staticmethod
     def _check_positions(
@@ -172,6 +198,7 @@ class BatchAllocator:
     def split_reset(self) -> None:
         """Mark every token unused, so the splits start over."""
         self._used = [False] * len(self.tokens)
+        self._cursor = {}
         self.n_used = 0
 
     def split_simple(self, n_ubatch: int) -> UBatch | None:
@@ -211,25 +238,10 @@ class BatchAllocator:
         """
         if n_ubatch < 1:
             raise ValueError(f"n_ubatch must be at least 1, got {n_ubatch}")
-        sets: list[int] = []
-        union = 0
-        last_seq = -1
-        for i, used in enumerate(self._used):
-            if used:
-                continue
-            mask = self._seq_set[i]
-            if union & mask:
-                continue
-            if sequential and sets and self.seq_ids[i][0] != last_seq + 1:
-                continue
-            sets.append(mask)
-            union |= mask
-            last_seq = self.seq_ids[i][0]
-            if len(sets) >= n_ubatch:
-                break
+        sets = self._sequential_sets(n_ubatch) if sequential else self._first_sets(n_ubatch)
         if not sets:
             return None
-        pending = [[i for i in self._seq_set_tokens[m] if not self._used[i]] for m in sets]
+        pending = [self._unused_of(m) for m in sets]
         caps = [
             len(p) - tail_apart
             if len(p) > tail_apart and len(self._seq_set_tokens[m]) - tail_apart >= min_before_tail
@@ -239,6 +251,53 @@ class BatchAllocator:
         n_per_set = min(min(caps), max(1, n_ubatch // len(sets)))
         idxs = [i for p in pending for i in p[:n_per_set]]
         return self._take(idxs, n_seqs=len(sets), equal_seqs=True)
+
+    def _first_sets(self, n_ubatch: int) -> list[int]:
+        """Disjoint sequence sets with unused tokens, in order of their first unused token (at most
+        ``n_ubatch``)."""
+        firsts = sorted((p[0], m) for m in self._seq_set_tokens if (p := self._unused_of(m)))
+        sets: list[int] = []
+        union = 0
+        for _, mask in firsts:
+            if union & mask:
+                continue
+            sets.append(mask)
+            union |= mask
+            if len(sets) >= n_ubatch:
+                break
+        return sets
+
+    def _sequential_sets(self, n_ubatch: int) -> list[int]:
+        """:meth:`_first_sets` where only consecutive primary seq ids may join, token by token."""
+        sets: list[int] = []
+        union = 0
+        last_seq = -1
+        for i, used in enumerate(self._used):
+            if used:
+                continue
+            mask = self._seq_set[i]
+            if union & mask:
+                continue
+            if sets and self.seq_ids[i][0] != last_seq + 1:
+                continue
+            sets.append(mask)
+            union |= mask
+            last_seq = self.seq_ids[i][0]
+            if len(sets) >= n_ubatch:
+                break
+        return sets
+
+    def _unused_of(self, mask: int) -> list[int]:
+        """The unused tokens of sequence set ``mask``, in batch order. Every split takes a set's tokens in
+        batch order, so they are the tail of its tokens after the first unused one (found by a cursor
+        that only moves forward until :meth:`split_reset`)."""
+        toks = self._seq_set_tokens[mask]
+        k = self._cursor.get(mask, 0)
+        used = self._used
+        while k < len(toks) and used[toks[k]]:
+            k += 1
+        self._cursor[mask] = k
+        return toks[k:]
 
     @staticmethod
     def ubatch_reserve(n_seq_tokens: int, n_seqs: int, *, seq_id: int = 0, pos: Sequence[int] = ()) -> UBatch:
@@ -257,16 +316,26 @@ class BatchAllocator:
         )
 
     def _take(self, idxs: list[int], *, n_seqs: int, equal_seqs: bool) -> UBatch:
+        used = self._used
         for i in idxs:
-            self._used[i] = True
+            used[i] = True
         self.n_used += len(idxs)
+        pick = _picker(idxs)
         return UBatch(
-            tokens=tuple(self.tokens[i] for i in idxs),
-            pos=tuple(self.pos[i] for i in idxs),
-            seq_ids=tuple(self.seq_ids[i] for i in idxs),
-            outputs=tuple(self.outputs[i] for i in idxs),
+            tokens=pick(self.tokens),
+            pos=pick(self.pos),
+            seq_ids=pick(self.seq_ids),
+            outputs=pick(self.outputs),
             batch_index=tuple(idxs),
             n_seqs=n_seqs,
             n_seq_tokens=len(idxs) // n_seqs,
             equal_seqs=equal_seqs,
         )
+
+
+def _picker(idxs: list[int]) -> Callable[[list[T]], tuple[T, ...]]:
+    """A function taking the items at ``idxs`` of a list, as a tuple (a slice when they are consecutive)."""
+    a, b = (idxs[0], idxs[-1] + 1) if idxs else (0, 0)
+    if idxs == list(range(a, b)):
+        return lambda xs: tuple(xs[a:b])
+    return lambda xs: tuple(xs[i] for i in idxs)

@@ -162,7 +162,7 @@ def _ewma(old: float | None, new: float, alpha: float) -> float:
 
 def build_batch(plan: list[Planned]) -> Batch:
     tokens: list[int] = []
-    seq_ids: list[list[int]] = []
+    seq_ids: list[tuple[int]] = []
     logits: list[bool] = []
     for part in plan:
         c = part.completion
@@ -176,7 +176,7 @@ def build_batch(plan: list[Planned]) -> Batch:
         else:
             tokens.append(c.tokens[-1])
             seq = c.seq_id
-        seq_ids.extend([seq] for _ in range(part.n_tokens))
+        seq_ids += [(seq,)] * part.n_tokens
         logits.extend([False] * (part.n_tokens - 1) + [part.output])
     return Batch(tokens, seq_ids=seq_ids, logits=logits)
 
