@@ -132,12 +132,14 @@ def main() -> None:
     spent: dict[str, float] = {}
     for owner, attr, stage in STAGES:
         wrap(spent, owner, attr, stage)
-    generated, cpu = 0, 0.0
+    generated, cpu, computed, cached = 0, 0.0, 0, 0
     for _ in range(args.rounds):
         e = engine()
         t0 = time.thread_time()
         generated += run(e)
         cpu += time.thread_time() - t0
+        computed += e.stats.prompt_tokens
+        cached += e.stats.cached_prompt_tokens
 
     def ms(*stages: str) -> float:
         return sum(spent.get(s, 0.0) for s in stages) / generated * 1e3
@@ -160,6 +162,7 @@ def main() -> None:
         ("add_request (tokenize, validate)", ms("add_request")),
     ]
     print(f"workload {args.workload}: {generated} tokens in {args.rounds} rounds, {args.threads} thread(s)")
+    print(f"prompt tokens a round: {computed // args.rounds} computed, {cached // args.rounds} from caches")
     print("| engine thread, CPU ms per output token | ms |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value:.3f} |")

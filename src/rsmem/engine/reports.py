@@ -33,7 +33,7 @@ def report(req: Request) -> RequestOutput:
     error = next((c.error for c in req.completions if c.error is not None), None)
     return RequestOutput(
         req.request_id,
-        tuple(req.prompt_tokens),
+        req.prompt_ids(),
         tuple(outs),
         req.finished,
         req.prompt_text,

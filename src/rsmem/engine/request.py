@@ -95,6 +95,13 @@ class Request:
     checkpoint_at: list[int] = field(default_factory=list)  # prompt positions to checkpoint, sorted
     follow: Follow | None = None  # waiting for a leader's checkpoint of a shared prefix
     followed: bool = False  # has waited for a leader once (it never waits again)
+    _prompt_ids: tuple[int, ...] | None = field(default=None, repr=False)
+
+    def prompt_ids(self) -> tuple[int, ...]:
+        """``prompt_tokens`` as a tuple, made once (every report carries it)."""
+        if self._prompt_ids is None or len(self._prompt_ids) != len(self.prompt_tokens):
+            self._prompt_ids = tuple(self.prompt_tokens)
+        return self._prompt_ids
 
     @property
     def finished(self) -> bool:
