@@ -112,7 +112,9 @@ class Rwkv6Model(RwkvModelBase):
     def make_compiled_steps(self) -> None:
         # args: x, emb_norm, emb_norm_b, norm_f, norm_f_b, lm_head, eps, n_head, rescale, then per
         # layer N6_PER_LAYER tensors ending with the shift rows and the WKV state (written)
-        self._token_one = CompiledStep(rwkv6_token_one_, mutated=state_args(9, N6_PER_LAYER))
+        self._token_one = CompiledStep(
+            rwkv6_token_one_, mutated=state_args(9, N6_PER_LAYER), options=self.one_options()
+        )
         self._token_many = CompiledStep(
             rwkv6_token_many_,
             batch_args=batch_args(9, N6_PER_LAYER, self.n_layer),

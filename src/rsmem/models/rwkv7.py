@@ -131,7 +131,9 @@ class Rwkv7Model(RwkvModelBase):
     def make_compiled_steps(self) -> None:
         # args: x, emb_norm, emb_norm_b, norm_f, norm_f_b, lm_head, eps, n_head, then per layer
         # N_PER_LAYER tensors ending with the shift rows and the WKV state (written)
-        self._token_one = CompiledStep(rwkv7_token_one_, mutated=state_args(8, N_PER_LAYER))
+        self._token_one = CompiledStep(
+            rwkv7_token_one_, mutated=state_args(8, N_PER_LAYER), options=self.one_options()
+        )
         self._token_many = CompiledStep(
             rwkv7_token_many_,
             batch_args=batch_args(8, N_PER_LAYER, self.n_layer),

@@ -25,6 +25,7 @@ from rsmem.models.ops.fused import RowsOperand
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import HeldMatrices
 from rsmem.models.ops.small_rows import SmallRows, rows_operand
+from rsmem.models.ops.wkv_many import MANY_OPTIONS
 from rsmem.models.protocol import StateAccess
 
 if TYPE_CHECKING:
@@ -158,9 +159,10 @@ class RwkvModelBase:
         decided = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
         self.compile_decode = decided and self._rows_contiguous
         if self.compile_decode and not self._steps_made:
+            self._head_one = self.one_operand(self.lm_head)
             self.make_compiled_steps()
             # each layer's weights as the steps take them (made once: building them costs ~1 ms a step)
-            self._fields_one = [self.step_fields(ly, torch.Tensor.t) for ly in self.layers]
+            self._fields_one = [self.step_fields(ly, self.one_operand) for ly in self.layers]
             self._fields_many = [self.step_fields(ly, self.rows_operand) for ly in self.layers]
             self._head_many = self.rows_operand(self.lm_head)
             self._steps_made = True
@@ -172,6 +174,20 @@ class RwkvModelBase:
         few-row kernel too when the C++ kernels are built), else the ``[out, in]`` view."""
         packed = self.held.packed.twin(weight_t)
         return rows_operand(weight_t.t(), packed) if packed is not None else weight_t.t()
+
+    def one_operand(self, weight_t: torch.Tensor) -> torch.Tensor | SmallRows:
+        """A held ``[in, out]`` matrix as the one-sequence step takes it: a :class:`SmallRows` (the C++
+        few-row kernel, :func:`~rsmem.models.ops.wkv_fused.one_row`) when the kernels are loaded, else the
+        ``[out, in]`` view (a reduction inductor fuses)."""
+        operand = self.rows_operand(weight_t)
+        return operand if isinstance(operand, SmallRows) else weight_t.t()
+
+    def one_options(self) -> dict[str, Any] | None:
+        """Inductor options of the one-sequence step: with the big products in the few-row kernel (each
+        on every thread, one parallel region a product) every inductor kernel runs on one thread (no
+        hand-off to a sleeping partner for a norm or a low-rank mixer); else inductor's defaults (its
+        reductions are then the products, parallel)."""
+        return MANY_OPTIONS if isinstance(self._head_one, SmallRows) else None
 
     def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
         """The protocol's forward (the subclasses')."""
@@ -222,7 +238,7 @@ class RwkvModelBase:
     def decode_one(self, token: torch.Tensor, states: StateAccess) -> torch.Tensor | None:
         """One token of one sequence through the compiled step; None (nothing written) when the state rows
         are not float32."""
-        return self._decode_compiled(self._token_one, self._fields_one, self.lm_head.t(), token, states)
+        return self._decode_compiled(self._token_one, self._fields_one, self._head_one, token, states)
 
     def decode_many(self, tokens: torch.Tensor, states: StateAccess) -> torch.Tensor | None:
         """One token of each of several sequences (``tokens`` ``[Bs]``) through the compiled step; None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rsmem.models.ops.fused import gemv
+from rsmem.models.ops.fused import SmallRows, gemv, matmul_rows
 
 RWKV7_FIELDS = (
     "attn_norm", "attn_norm_b", "ffn_norm", "ffn_norm_b", "lerp", "w0", "w1", "w2", "a0", "a1", "a2",
@@ -27,6 +27,14 @@ GROUP_NORM_EPS = 64e-5
 DECAY_SCALE = 0.606531
 
 
+def one_row(x: torch.Tensor, weight: torch.Tensor | SmallRows) -> torch.Tensor:
+    """A big matrix's product with one row ``x`` ``[1, in]``: through the C++ few-row kernel when ``weight``
+    is a :class:`~rsmem.models.ops.fused.SmallRows` (it streams the weights 1.35-1.7x as fast as inductor's
+    reduction: one thread, 130M shapes, 15.4 -> 20.9 GB/s at [768, 768], 17.4 -> 22.2 at the head), else
+    as :func:`~rsmem.models.ops.fused.gemv` (an ``[out, in]`` matrix, fused by inductor)."""
+    return matmul_rows(x, weight) if isinstance(weight, SmallRows) else gemv(x, weight)
+
+
 def _time_mix_one(
     x: torch.Tensor, prev: torch.Tensor, v_first: torch.Tensor | None, n_head: int, *t: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,11 +43,11 @@ def _time_mix_one(
     c = x.shape[-1]
     n = c // n_head
     xr, xw, xk, xv, xa, xg = (x + (prev - x) * lerp.view(6, 1, c)).unbind(0)
-    r = gemv(xr, wr)
+    r = one_row(xr, wr)
     # the low-rank products as fused reductions too (as extern GEMM calls: ~100 calls a token)
     w = torch.exp(-DECAY_SCALE * torch.sigmoid(w0 + gemv(torch.tanh(gemv(xw, w1)), w2)))
-    k = gemv(xk, wk)
-    v = gemv(xv, wv)
+    k = one_row(xk, wk)
+    v = one_row(xv, wv)
     if v_first is None:
         v_first = v
     else:
@@ -57,7 +65,7 @@ def _time_mix_one(
     y = (new * rh.unsqueeze(-2)).sum(-1)  # [H, V]
     y = F.group_norm(y.reshape(1, c), n_head, ln_x, ln_x_b, GROUP_NORM_EPS).view(n_head, n)
     y = y + (rh * kh * r_k.view(n_head, n)).sum(-1, keepdim=True) * vh
-    return gemv(y.reshape(1, c) * g, wo), v_first
+    return one_row(y.reshape(1, c) * g, wo), v_first
 
 
 def rwkv7_token_one_(
@@ -82,11 +90,11 @@ def rwkv7_token_one_(
         out, v_first = _time_mix_one(h, shift[:, 0], v_first, n_head, *t)
         x = x + out
         f = F.layer_norm(x, (c,), ffn_norm, ffn_norm_b, eps)
-        kf = torch.relu(gemv(f + (shift[:, 1] - f) * ffn_lerp_k, ffn_key)).square()
-        x = x + gemv(kf, ffn_value)
+        kf = torch.relu(one_row(f + (shift[:, 1] - f) * ffn_lerp_k, ffn_key)).square()
+        x = x + one_row(kf, ffn_value)
         shift[:, 0].copy_(h)
         shift[:, 1].copy_(f)
-    return gemv(F.layer_norm(x, (c,), norm_f, norm_f_b, eps), lm_head)
+    return one_row(F.layer_norm(x, (c,), norm_f, norm_f_b, eps), lm_head)
 
 
 # ---------------------------------------------------------------------------------------------- RWKV-6
@@ -108,16 +116,16 @@ def _rwkv6_time_mix_one(x: torch.Tensor, prev: torch.Tensor, n_head: int, *t: to
     mixer = torch.tanh(gemv(x + sx * lerp_x, w1)).view(5, 1, -1)  # [5, 1, extra]; products: see RWKV-7's
     offsets = (w2 * mixer).sum(-1)  # [5, C]
     xw, xk, xv, xr, xg = (x + sx * (offsets + lerp)).unbind(0)
-    r = gemv(xr.unsqueeze(0), wr).view(n_head, n)
-    k = gemv(xk.unsqueeze(0), wk).view(n_head, n)
-    v = gemv(xv.unsqueeze(0), wv).view(n_head, n)
-    g = F.silu(gemv(xg.unsqueeze(0), wg))
+    r = one_row(xr.unsqueeze(0), wr).view(n_head, n)
+    k = one_row(xk.unsqueeze(0), wk).view(n_head, n)
+    v = one_row(xv.unsqueeze(0), wv).view(n_head, n)
+    g = F.silu(one_row(xg.unsqueeze(0), wg))
     w = torch.exp(-torch.exp(decay + gemv(torch.tanh(gemv(xw, decay_w1)), decay_w2))).view(n_head, n)
     state = wkv[0]  # [H, K, V]
     y = (state * r.unsqueeze(-1)).sum(-2) + (r * u * k).sum(-1, keepdim=True) * v  # [H, V]
     state.copy_(state * w.unsqueeze(-1) + k.unsqueeze(-1) * v.unsqueeze(-2))
     y = F.group_norm(y.reshape(1, c), n_head, ln_x, ln_x_b, GROUP_NORM_EPS)
-    return gemv(y * g, wo)
+    return one_row(y * g, wo)
 
 
 def rwkv6_token_one_(
@@ -144,11 +152,11 @@ def rwkv6_token_one_(
         x = x + _rwkv6_time_mix_one(h, shift[:, 0], n_head, *t)
         f = F.layer_norm(x, (c,), ffn_norm, ffn_norm_b, eps)
         sx = shift[:, 1] - f
-        rf = torch.sigmoid(gemv(f + sx * lerp_r, w_rec))
-        kf = torch.relu(gemv(f + sx * lerp_k, w_key)).square()
-        x = x + rf * gemv(kf, w_value)
+        rf = torch.sigmoid(one_row(f + sx * lerp_r, w_rec))
+        kf = torch.relu(one_row(f + sx * lerp_k, w_key)).square()
+        x = x + rf * one_row(kf, w_value)
         if rescale_every and (il + 1) % rescale_every == 0:
             x = x * 0.5
         shift[:, 0].copy_(h)
         shift[:, 1].copy_(f)
-    return gemv(F.layer_norm(x, (c,), norm_f, norm_f_b, eps), lm_head)
+    return one_row(F.layer_norm(x, (c,), norm_f, norm_f_b, eps), lm_head)
