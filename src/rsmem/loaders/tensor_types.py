@@ -9,8 +9,7 @@ float32 in the kernels' registers) when the C++ kernels are available (:func:`ha
 RSMEM_KERNELS=0 or no compiler, they are converted to float32 at load). Every other quantized tensor is
 dequantized once, at load, with gguf-py's reference dequantizer (the one llama.cpp's own Python tools use)
 into float32; the model then casts its matrices to its compute dtype (bfloat16 with
-``dtype=torch.bfloat16``). :data:`HOLDING` and
-:func:`holding_of` say how each type is held.
+``dtype=torch.bfloat16``). :data:`HOLDING` and :func:`holding_of` say how each type is held.
 
 A tensor whose bytes are short (a truncated file), whose rows do not fill whole blocks, whose type rsmem
 cannot read, or whose dequantized values are not finite (corrupt block scales) is refused with a
