@@ -105,3 +105,44 @@ def test_reports_between_the_first_token_and_the_end_are_handed_over_together(sh
     first = events_of(raw[:1])
     assert len(first) == 1 and first[0][0]["finish_reason"] is None  # type: ignore[index]  # not held
     assert len(raw) <= 3  # the first token; the other 23, the end and [DONE] in one write (or two)
+
+
+def test_request_ids_need_no_system_call(shared_llm, monkeypatch):
+    """Ids come without os.urandom on the event loop (a system call gives its GIL away to the engine thread);
+    they keep their form ``{prefix}-{24 hex}`` and stay unique."""
+    import asyncio
+    import os
+    import re
+
+    from rsmem.engine import Engine, SamplingParams
+    from rsmem.server import EngineRunner
+
+    runner = EngineRunner(Engine(shared_llm.context, shared_llm.tokenizer), max_queue=64)
+    runner.start()
+
+    real_urandom = os.urandom
+
+    def no_urandom(n: int) -> bytes:  # on the event loop's thread (the engine thread may seed sampling)
+        assert threading.current_thread() is not threading.main_thread(), "os.urandom on the event loop"
+        return real_urandom(n)
+
+    async def submit_all() -> list[str]:
+        params = SamplingParams(max_tokens=1, temperature=0)
+        subs = [await runner.submit(["ROMEO:"], params) for _ in range(6)]
+        subs.append(await runner.submit(["ROMEO:", "JULIET:"], params, id_prefix="chatcmpl"))
+        for sub in subs:  # every request ends
+            finished = 0
+            while finished < len(sub.request_ids):
+                finished += (await sub.reports.get()).finished
+        return [rid for sub in subs for rid in sub.request_ids]
+
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(os, "urandom", no_urandom)
+            ids = asyncio.run(submit_all())
+    finally:
+        runner.stop()
+    assert len(set(ids)) == len(ids) == 8
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{24}", rid) for rid in ids[:6])
+    base = ids[6].removesuffix("-0")
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", base) and ids[7] == f"{base}-1"

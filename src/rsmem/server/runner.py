@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
+import random
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -246,7 +247,7 @@ class EngineRunner:
         Raises :class:`QueueFullError` when the waiting sequences would exceed ``max_queue``, and the
         engine's :class:`~rsmem.errors.InvalidRequestError` for an invalid request.
         """
-        base = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
+        base = f"{id_prefix}-{_ids.getrandbits(96):024x}"
         ids = (base,) if len(prompts) == 1 else tuple(f"{base}-{k}" for k in range(len(prompts)))
         reports: asyncio.Queue[Report] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -290,6 +291,12 @@ class EngineRunner:
 
         Their listeners get the final ``abort`` reports, so their clients still get an answer."""
         return await self.call(self._abort_all)
+
+
+# Request ids: 96 random bits from a generator seeded once. uuid4() reads os.urandom for each id, a system
+# call that gives the GIL away on the event loop, and a busy engine thread may keep it for a switch interval
+# (5 ms) before the request goes on. Ids need to be unique, not secret.
+_ids = random.Random(os.urandom(32))
 
 
 def _urgent(out: RequestOutput) -> bool:
