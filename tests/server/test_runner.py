@@ -146,3 +146,50 @@ def test_request_ids_need_no_system_call(shared_llm, monkeypatch):
     assert all(re.fullmatch(r"cmpl-[0-9a-f]{24}", rid) for rid in ids[:6])
     base = ids[6].removesuffix("-0")
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", base) and ids[7] == f"{base}-1"
+
+
+def test_commands_queued_during_a_step_are_settled_in_one_hand_off(shared_llm):
+    """Requests that arrive while the engine thread is busy wake the event loop once when they are run,
+    not once each; each still gets its own result or error."""
+    import asyncio
+
+    from rsmem.engine import Engine
+    from rsmem.server import EngineRunner
+
+    runner = EngineRunner(Engine(shared_llm.context, shared_llm.tokenizer))
+    runner.start()
+    busy, release = threading.Event(), threading.Event()
+
+    def block() -> None:  # holds the engine thread as a long step would
+        busy.set()
+        release.wait(10)
+
+    def fail() -> None:
+        raise ValueError("bad")
+
+    async def burst() -> tuple[list[object], int]:
+        loop = asyncio.get_running_loop()
+        handed, real = [0], loop.call_soon_threadsafe
+
+        def counting(*args):  # type: ignore[no-untyped-def]
+            handed[0] += 1
+            return real(*args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        runner.post(block)
+        while not busy.is_set():
+            await asyncio.sleep(0.001)
+        calls = [asyncio.ensure_future(runner.call(lambda k=k: k * k)) for k in range(8)]
+        calls.append(asyncio.ensure_future(runner.call(fail)))
+        await asyncio.sleep(0.05)
+        release.set()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return results, handed[0]
+
+    try:
+        results, handed = asyncio.run(burst())
+    finally:
+        runner.stop()
+    assert results[:8] == [k * k for k in range(8)]
+    assert isinstance(results[8], ValueError) and str(results[8]) == "bad"
+    assert handed == 1, handed

@@ -66,27 +66,27 @@ class Submission:
     reports: asyncio.Queue[Report]
 
 
+_Outcome = tuple[asyncio.Future[Any], BaseException | None, object]  # a command's future, error, result
+
+
 @dataclass(slots=True)
 class _Command:
     fn: Callable[[], Any]
     loop: asyncio.AbstractEventLoop | None  # None: fire and forget
     future: asyncio.Future[Any] | None
 
-    def run(self) -> None:
+    def run(self) -> tuple[BaseException | None, object]:
+        """``(error, None)`` or ``(None, result)`` of ``fn``; a fire-and-forget command's error is logged."""
         try:
-            result = self.fn()
+            return None, self.fn()
         except Exception as exc:
-            self.settle(exc, None)
-        else:
-            self.settle(None, result)
+            if self.future is None:
+                log.error("engine command failed: %s: %s", type(exc).__name__, exc)
+            return exc, None
 
     def settle(self, exc: BaseException | None, result: object) -> None:
-        if self.loop is None or self.future is None:
-            if exc is not None:
-                log.error("engine command failed: %s: %s", type(exc).__name__, exc)
-            return
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
-            self.loop.call_soon_threadsafe(_settle, self.future, exc, result)
+        if self.loop is not None and self.future is not None:
+            _hand_over(self.loop, [(self.future, exc, result)])
 
 
 class EngineRunner:
@@ -171,12 +171,19 @@ class EngineRunner:
             self._deliver((out.request_id, out, out.finished) for out in held)
 
     def _run_commands(self) -> None:
+        """Run every queued command, then settle their futures with one hand-off to each waiting loop (a
+        burst of requests arriving during a step costs the event loop one wake-up, not one each)."""
+        settled: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
-            command.run()
+                break
+            exc, result = command.run()
+            if command.loop is not None and command.future is not None:
+                settled.setdefault(command.loop, []).append((command.future, exc, result))
+        for loop, outcomes in settled.items():
+            _hand_over(loop, outcomes)
 
     def _deliver(self, reports: Iterable[tuple[str, Report, bool]]) -> None:
         """Hand ``(request id, report, final)`` to their listeners: one hand-off to each listening loop,
@@ -313,10 +320,16 @@ def _put_all(items: list[tuple[asyncio.Queue[Report], Report]]) -> None:
         reports.put_nowait(report)
 
 
-def _settle(future: asyncio.Future[Any], exc: BaseException | None, result: object) -> None:
-    if future.done():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
+def _hand_over(loop: asyncio.AbstractEventLoop, outcomes: list[_Outcome]) -> None:
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
+        loop.call_soon_threadsafe(_settle_all, outcomes)
+
+
+def _settle_all(outcomes: list[_Outcome]) -> None:
+    for future, exc, result in outcomes:
+        if future.done():  # cancelled by its caller (a timeout, a client that left)
+            continue
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
