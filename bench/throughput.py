@@ -296,7 +296,7 @@ def quantized_file(src: Path, dst: Path, ftype: str, args: argparse.Namespace) -
 def bench_extra_arch(spec: BenchArch, args: argparse.Namespace) -> ArchResult:
     """An architecture of a ``bench/archs_*.py`` module: its GGUF, its own columns, then rsmem and
     llama.cpp on every row (the ``--rows`` and the architecture's extra ones)."""
-    result = ArchResult(rows=[*args.rows, *spec.rows])
+    result = ArchResult(rows=list(dict.fromkeys([*args.rows, *spec.rows])))  # a row asked for twice runs once
     with tempfile.TemporaryDirectory() as tmp:
         gguf_path = spec.build(Path(tmp))
         if spec.columns is not None:
