@@ -20,10 +20,10 @@ A request waits at most once. Sessions continue their own state and never wait.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 
 from rsmem.engine.checkpoints import CheckpointCache
 from rsmem.engine.pool import SequencePool
+from rsmem.engine.prefix_cache import common_prefix
 from rsmem.engine.request import Follow, Phase, Request
 from rsmem.engine.reuse import PromptReuse
 from rsmem.engine.status import EngineStats
@@ -35,21 +35,6 @@ def wait_bound(n_tokens: int) -> int:
     """The most steps a request waits for a leader with ``n_tokens`` still to prefill up to the shared
     point: room for chunks of 16 tokens, plus a few steps (a leader gets at least 32 a step)."""
     return 4 + -(-n_tokens // 16)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The number of leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class Admission:

@@ -80,15 +80,24 @@ class _Node(Generic[P]):
     entry: _Entry[P] | None = None
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The number of leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _common(edge: list[int], toks: list[int], i: int) -> int:
     """The length of the common prefix of ``edge`` and ``toks[i:]``."""
-    n = len(edge)
-    if toks[i : i + n] == edge:
-        return n
-    k, m = 0, min(n, len(toks) - i)
-    while k < m and edge[k] == toks[i + k]:
-        k += 1
-    return k
+    return common_prefix(edge, toks[i : i + len(edge)])
 
 
 class PrefixCache(Generic[P]):
