@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from kernel_variants import ops_for_march
 
-from rsmem import settings
 from rsmem.kernels import HALF_TYPES, MATRIX_TYPES, build, dequantize_rows, qmatmul, qmatmul_ref, row_bytes
 from rsmem.models.ops.quantized import QuantMatrix
 
@@ -114,10 +114,7 @@ def test_many_rows_in_chunks() -> None:
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])  # AVX2 + F16C + FMA; no AVX (scalar loops)
 def test_other_builds_match_the_twin(march: str) -> None:
     native()
-    _, folder = settings.kernels_setting()
-    flags = (*(f for f in build.CFLAGS if not f.startswith("-march")), f"-march={march}")
-    namespace = "rsmem_native_portable" if march == "x86-64-v2" else "rsmem_native_avx2"
-    ops = build.build_variant(namespace, flags, folder)
+    ops = ops_for_march(march)
     for qtype in HALF_TYPES:
         for m, n, k in SHAPES:
             blocks, w = half_matrix(qtype, n, k, seed=m + n)

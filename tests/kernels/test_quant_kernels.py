@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from kernel_variants import ops_for_march
 
 from rsmem import settings
 from rsmem.kernels import (
@@ -308,9 +309,7 @@ def test_portable_build_matches_reference() -> None:
     a second set of ops: routes 0 and 1 against the reference, and its dequantizer equal to gguf's."""
     if not kernels_active():
         pytest.skip(f"kernels not built here: {build.build_error()}")
-    _, folder = settings.kernels_setting()
-    flags = (*(f for f in build.CFLAGS if not f.startswith("-march")), "-march=x86-64-v2")
-    ops = build.build_variant("rsmem_native_portable", flags, folder)
+    ops = ops_for_march("x86-64-v2")
     assert ops.isa() == "portable"
     for qtype in KERNEL_TYPES:
         blocks = random_blocks(qtype, 13, 512, seed=3)

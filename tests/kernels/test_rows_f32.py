@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_variants import ops_for_march
 
-from rsmem import settings
 from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
 from rsmem.models.compiled import has_cxx_compiler
@@ -115,10 +115,7 @@ def test_compiled_graph_calls_the_op_with_a_dynamic_batch() -> None:
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])  # AVX2 + FMA; no AVX (the scalar loop)
 def test_other_builds_match_the_twin(march: str) -> None:
     native()
-    _, folder = settings.kernels_setting()
-    flags = (*(f for f in build.CFLAGS if not f.startswith("-march")), f"-march={march}")
-    namespace = "rsmem_native_portable" if march == "x86-64-v2" else "rsmem_native_avx2"
-    ops = build.build_variant(namespace, flags, folder)
+    ops = ops_for_march(march)
     for m, n, k in ((1, 37, 45), (4, 64, 768), (9, 29, 3000), (16, 5, 7)):
         x, w = operands(m, n, k, seed=m)
         assert rel(ops.rows_f32(x, w).double(), rows_ref(x.double(), w.double())) < 2e-6

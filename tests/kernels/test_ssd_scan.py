@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_variants import ops_for_march
 
-from rsmem import settings
 from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
 from rsmem.models.ops import ssd
@@ -124,9 +124,7 @@ def test_without_kernels_the_chunked_form_runs(monkeypatch: pytest.MonkeyPatch) 
 
 def test_portable_build_scans_like_the_twin() -> None:
     native()
-    _, folder = settings.kernels_setting()
-    flags = (*(f for f in build.CFLAGS if not f.startswith("-march")), "-march=x86-64-v2")
-    ops = build.build_variant("rsmem_native_portable", flags, folder)
+    ops = ops_for_march("x86-64-v2")
     x, dt, A, B, C, D, h0 = inputs(2, 33, 4, 8, 2, 48)
     y_ref, h_ref = ssd_ref(x, dt, A, B, C, D, h0.clone())
     h = h0.clone()
