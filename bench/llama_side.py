@@ -5,11 +5,28 @@ quantizer for ``--weights``."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import rsmem.threads
 from bench_arch import row_shape
+
+
+def llama_environment(passive: bool = False) -> dict[str, str]:
+    """The environment llama.cpp runs in: this process's, less what ``import rsmem`` put into it. rsmem sets
+    ``OMP_WAIT_POLICY=PASSIVE`` for its own process before torch loads; llama.cpp (built with OpenMP here:
+    libgomp too) would inherit it through ``os.environ``, and sleeping threads slow its quiet steps
+    (measured: up to 1.7x at decode x64 on the embedded model). Its users run it with OpenMP's default
+    (spin, then sleep), so it gets that unless ``passive`` asks for rsmem's policy."""
+    env = dict(os.environ)
+    if rsmem.threads.wait_policy() == "passive" and not passive:
+        env.pop("OMP_WAIT_POLICY", None)
+    if passive:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
+
 
 # A worker: loads the model once, then answers one measurement a line ("prefill" or "decode N") on stdin.
 LLAMA_WORKER = r"""
@@ -100,10 +117,17 @@ def rsmem_resident(path: Path) -> int:
 class LlamaWorker:
     """llama.cpp's side: a llama-cpp-python process (another venv) that keeps the model loaded."""
 
-    def __init__(self, python: str, path: Path, n_prompt: int, steps: int, threads: int) -> None:
+    def __init__(
+        self, python: str, path: Path, n_prompt: int, steps: int, threads: int, passive: bool = False
+    ) -> None:
         args = [python, "-c", LLAMA_WORKER, str(path), str(n_prompt), str(steps), str(threads)]
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=llama_environment(passive),
         )
         ready = self._line().split()
         if not ready or ready[0] != "ready":

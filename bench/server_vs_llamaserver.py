@@ -45,6 +45,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import itertools
 
+from llama_side import llama_environment
 from llamaserver_build import DEFAULT_BUILD_DIR, ensure_llama_server
 
 CACHE = Path.home() / ".cache" / "rsmem-bench"
@@ -127,14 +128,17 @@ def free_port() -> int:
 class Server:
     """A server subprocess, ready once ``/health`` answers 200; stopped with SIGINT, then SIGKILL."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log: Path) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name, self.cmd, self.url, self.log = name, cmd, f"http://127.0.0.1:{port}", log
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 300) -> None:
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -174,6 +178,7 @@ def make_server(name: str, gguf_path: Path, args: argparse.Namespace, tmp: Path)
         cmd = [str(args.llama_server), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["-np", str(SLOTS), "-c", str(SLOTS * CTX), "-t", str(args.threads), "-tb", str(args.threads)]
         cmd += ["--chat-template-file", str(template), "--no-webui"]
+        return Server(name, cmd, port, tmp / f"{name}.log", env=llama_environment())
     else:
         cmd = [str(Path(sys.executable).parent / "rsmem"), "serve", "-m", str(gguf_path), "--port", str(port)]
         cmd += [

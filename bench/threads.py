@@ -36,7 +36,7 @@ else:
     model = getattr(random_init, which)()
     model.set_compile(compile_)
 prompt = torch.randint(0, model.n_vocab, (512,), generator=torch.Generator().manual_seed(0)).tolist()
-ctx = Context(model, n_seq_max=8, n_batch=512, n_ubatch=512)
+ctx = Context(model, n_seq_max=64, n_batch=512, n_ubatch=512)
 steps = {}
 def chunk8():
     ctx.memory.clear()
@@ -56,6 +56,7 @@ def decode(n):
         return 8
     return run
 ROWS = {"chunk8": chunk8, "prefill512": prefill512, "decode1": decode(1), "decode8": decode(8)}
+ROWS["decode64"] = decode(64)
 for fn in ROWS.values():
     fn()  # warm-up
 print("ready", flush=True)
@@ -67,7 +68,14 @@ for line in sys.stdin:
     print(json.dumps(dt / n * 1e3), flush=True)
 """
 
-POLICIES = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+POLICIES = {
+    "default": {},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    # libgomp spins this many iterations after a parallel region, then sleeps (torch's default: 300,000)
+    "spin1k": {"GOMP_SPINCOUNT": "1000"},
+    "spin10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin100k": {"GOMP_SPINCOUNT": "100000"},
+}
 
 
 class Worker:

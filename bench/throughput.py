@@ -312,35 +312,49 @@ def load_extra_archs() -> dict[str, BenchArch]:
     return archs
 
 
+# --llama-policy: llama.cpp's workers (name, OMP_WAIT_POLICY=PASSIVE?). With "both", each round's faster one
+# is the "llama.cpp" column that rsmem is compared with: spinning threads win on a quiet machine and
+# collapse beside a busy process, sleeping ones the other way round (README, "Threads under contention")
+LLAMA_POLICIES = {
+    "both": (("llama.cpp default", False), ("llama.cpp passive", True)),
+    "default": (("llama.cpp", False),),
+    "passive": (("llama.cpp", True),),
+}
+
+
 def measure_file(gguf_path: Path, args: argparse.Namespace, result: ArchResult) -> ArchResult:
     """Measure every row ``args.rounds`` times on one GGUF file, rsmem and llama.cpp back to back (and,
     with ``--contention``, each again beside a busy process)."""
     runners: dict[str, RsmemRunner | LlamaWorker] = {
         "rsmem": RsmemRunner(gguf_path, args.prompt, args.steps, args.compile, args.threads)
     }
-    if args.llama_python:
+    for name, passive in LLAMA_POLICIES[args.llama_policy] if args.llama_python else ():
         try:
-            runners["llama.cpp"] = LlamaWorker(
-                args.llama_python, gguf_path, args.prompt, args.steps, args.threads
+            runners[name] = LlamaWorker(
+                args.llama_python, gguf_path, args.prompt, args.steps, args.threads, passive
             )
         except (OSError, RuntimeError) as exc:
-            print(f"llama.cpp worker failed: {exc}")
+            print(f"{name} worker failed: {exc}")
+    llamas = [name for name in runners if name.startswith("llama.cpp")]
     modes = {"quiet": result} | ({"busy": ArchResult()} if args.contention else {})
     result.busy = modes.get("busy")
     result.rows = result.rows or list(args.rows)
-    samples = {m: {name: {row: [] for row in result.rows} for name in runners} for m in modes}
+    names = [*runners, *(["llama.cpp"] if len(llamas) > 1 else [])]
+    samples = {m: {name: {row: [] for row in result.rows} for name in names} for m in modes}
     for _ in range(args.rounds):
         for row in result.rows:
             got: dict[str, dict[str, float]] = {}
             for mode, res in modes.items():
                 with busy_neighbour(mode == "busy"):
                     got[mode] = {name: runner.measure(row) for name, runner in runners.items()}
+                if len(llamas) > 1:  # the faster policy of this round: rsmem is compared with that one
+                    got[mode]["llama.cpp"] = max(got[mode][name] for name in llamas)
                 for name, value in got[mode].items():
                     samples[mode][name][row].append(value)
                 if "llama.cpp" in got[mode]:
                     res.ratios.setdefault(row, []).append(got[mode]["rsmem"] / got[mode]["llama.cpp"])
             if "busy" in got:
-                for name in runners:
+                for name in names:
                     share = got["busy"][name] / got["quiet"][name]
                     result.kept.setdefault(name, {}).setdefault(row, []).append(share)
     result.resident = {name: runner.resident for name, runner in runners.items()}
@@ -377,14 +391,15 @@ def print_contention(arch: str, res: ArchResult, args: argparse.Namespace) -> No
     busy = res.busy
     assert busy is not None
     names = [n for n in ("rsmem", "llama.cpp") if n in busy.cols]
+    names += [n for n in busy.cols if n.startswith("llama.cpp ")]  # each policy of --llama-policy both
     print(f"\n{arch} beside one CPU-bound process: tokens/s, and busy/quiet (median of per-round ratios)")
-    head = "".join(f"{n:>14}{'kept':>8}" for n in names)
+    head = "".join(f"{n:>18}{'kept':>8}" for n in names)
     print(f"{'':12}{head}{'rsmem/llama':>13}{'kept ratio':>12}")
     for row in res.rows:
         line, kept = f"{row:12}", {}
         for n in names:
             kept[n] = statistics.median(res.kept[n][row])
-            line += f"{busy.cols[n].get(row, float('nan')):14.1f}{kept[n]:8.0%}"
+            line += f"{busy.cols[n].get(row, float('nan')):18.1f}{kept[n]:8.0%}"
         line += f"{busy.ratio(row):13.2f}"
         line += f"{kept['rsmem'] / kept['llama.cpp']:12.2f}" if "llama.cpp" in kept else ""
         print(line, flush=True)
@@ -398,10 +413,11 @@ def print_arch(
     print(f"\n{title}, {args.threads} threads, {compiled}, median of {args.rounds} rounds: tokens/s")
     known = ("rsmem", "transformers", "llama.cpp")
     names = [n for n in known if n in res.cols] + [n for n in res.cols if n not in known]  # + an arch's own
-    header = "".join(f"{c:>14}" for c in names)
+    width = {c: max(14, len(c) + 2) for c in names}
+    header = "".join(f"{c:>{width[c]}}" for c in names)
     print(f"{'':12}{header}{'rsmem/llama':>13}{'(range)':>12}{'of ceiling':>12}")
     for row in res.rows:
-        line = f"{row:12}" + "".join(f"{res.cols[c].get(row, float('nan')):14.1f}" for c in names)
+        line = f"{row:12}" + "".join(f"{res.cols[c].get(row, float('nan')):{width[c]}.1f}" for c in names)
         rows = args.prompt if row == "prefill" else row_shape(row)[0]
         gflops = res.cols["rsmem"][row] * res.flops_per_token / 1e9
         ceiling = f"{gflops / ceilings[rows]:12.0%}" if rows in ceilings else ""
@@ -449,6 +465,13 @@ def main() -> None:
         "--rows", nargs="+", default=list(ROWS), help="rows to measure: prefill, decodeN, decode1@CONTEXT"
     )
     ap.add_argument("--llama-python", default=None, help="python with llama-cpp-python==0.3.36 installed")
+    ap.add_argument(
+        "--llama-policy",
+        choices=list(LLAMA_POLICIES),
+        default="both",
+        help="llama.cpp's OpenMP wait policy: the environment's (default: spin, then sleep), passive (as "
+        "rsmem's), or both, each round comparing rsmem with the faster of the two (default)",
+    )
     ap.add_argument("--compile", choices=["auto", "1", "0"], default="auto", help="rsmem's decode compile")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-transformers-mamba2", action="store_true", help="skip transformers' (slow) Mamba-2")
@@ -475,7 +498,8 @@ def main() -> None:
     print("torch f32 matmul ceiling (GFLOP/s):", {k: round(v, 1) for k, v in ceilings.items()})
     args.bandwidth = read_bandwidth(args.threads)
     print(f"read bandwidth (sum of 512 MiB, best of 5): {args.bandwidth:.1f} GB/s")
-    print(f"rsmem's OpenMP wait policy: {rsmem.threads.wait_policy()}")
+    print(f"rsmem's OpenMP wait policy: {rsmem.threads.wait_policy()}", end="; ")
+    print(f"llama.cpp's: {args.llama_policy} (--llama-policy)")
     archs = [] if args.skip_130m else ["mamba", "mamba2"] if args.arch == "both" else [args.arch]
     results = {}
     for arch in archs:
