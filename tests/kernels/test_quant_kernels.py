@@ -4,6 +4,7 @@ reference twin, the torch op under torch.compile, the fallback without kernels, 
 from __future__ import annotations
 
 import os
+import time
 
 import gguf
 import numpy as np
@@ -364,3 +365,18 @@ def test_a_loaded_library_is_never_loaded_again(tmp_path, monkeypatch) -> None:
     assert kernels_active(), build.build_error()
     monkeypatch.setattr(cpp_extension, "load", lambda **_: pytest.fail("loaded the library again"))
     assert build.build_variant("rsmem_native", build.CFLAGS, tmp_path) is torch.ops.rsmem_native
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    """torch's build waits without end while its lock file exists; a lock older than any build here was
+    left by a killed build and goes, a recent one belongs to a build in progress and stays."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    build._clear_stale_lock(lock)
+    assert lock.exists()
+    old = time.time() - build.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    build._clear_stale_lock(lock)
+    assert not lock.exists()
+    assert "stale kernel build lock" in capsys.readouterr().err
+    build._clear_stale_lock(lock)  # no lock at all: nothing to do

@@ -18,6 +18,7 @@ import platform
 import shutil
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,9 @@ def build_variant(namespace: str, cflags: tuple[str, ...], folder: Path) -> Any:
     name = _build_name(flags)
     build_dir = folder / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build_dir / "lock")
+    if not (build_dir / f"{name}.so").exists():  # ~30 s here, once per machine: say so, not a silent pause
+        sys.stderr.write(f"[rsmem: building its C++ kernels for this CPU, once, into {build_dir}]\n")
     cpp_extension.load(
         name=name,
         sources=[str(CSRC / s) for s in SOURCES],
@@ -106,6 +110,21 @@ def build_variant(namespace: str, cflags: tuple[str, ...], folder: Path) -> Any:
         verbose=False,
     )
     return getattr(torch.ops, namespace)
+
+
+# torch's build holds a lock file in the build folder while it compiles and waits, without end, while one
+# exists; a build killed midway leaves it behind. A build here takes under a minute: an older lock is stale.
+STALE_LOCK_SECONDS = 600.0
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Remove a build lock left by a build that did not finish (older than :data:`STALE_LOCK_SECONDS`)."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
+            sys.stderr.write(f"[rsmem: removed a stale kernel build lock, {lock}]\n")
+    except FileNotFoundError:
+        pass
 
 
 def _build() -> Any:
