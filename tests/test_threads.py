@@ -40,6 +40,23 @@ def test_import_rsmem_makes_openmp_threads_sleep() -> None:
     assert (spin, out) == ("0", "passive")
 
 
+def test_the_policy_stays_in_rsmem_s_own_process() -> None:
+    """Once torch has loaded, the environment is the user's again: a program started from a process that
+    imported rsmem keeps OpenMP's default (it spins), while rsmem's own threads still sleep."""
+    child = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import torch'], check=True)"
+    code = f"import os, rsmem; print(os.environ.get('OMP_WAIT_POLICY')); {child}"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={k: v for k, v in os.environ.items() if k not in OMP_VARS} | {"OMP_DISPLAY_ENV": "VERBOSE"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert proc.stdout.strip() == "None"
+    assert re.findall(r"GOMP_SPINCOUNT = '(\d+)'", proc.stderr) == ["0", "300000"]  # rsmem's, the child's
+
+
 def test_the_command_line_sets_it_before_torch_loads() -> None:
     spin, _ = _run(["-m", "rsmem.cli", "--help"])
     assert spin == "0"

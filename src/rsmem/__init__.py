@@ -1,7 +1,7 @@
 """rsmem: recurrent language models on a recurrent-state memory with llama.cpp's semantics."""
 
 # first, before anything imports torch: OpenMP's idle threads sleep instead of spinning (rsmem.threads)
-import rsmem.threads  # noqa: F401  isort: skip
+import rsmem.threads  # isort: skip
 from rsmem.batch import Batch, BatchAllocator, UBatch
 from rsmem.context import Context
 from rsmem.engine import LLM, Engine, RequestOutput, SamplingParams
@@ -15,6 +15,9 @@ from rsmem.errors import (
 )
 from rsmem.loaders import convert_hf_to_gguf, load_model
 from rsmem.memory import MemoryStatus, RecurrentMemory, RecurrentMemoryContext, StateShape
+
+# torch has loaded (and libgomp read the policy): the process's environment is the user's again
+rsmem.threads.restore_environment()
 
 __version__ = "0.1.0"
 

@@ -46,6 +46,12 @@ SMALL_MODEL_WIDTH = 512
 _all_cores: int | None = None
 
 
+def restore_environment() -> None:
+    """``OMP_WAIT_POLICY`` out of ``os.environ`` again once torch has loaded, when rsmem put it there: child
+    processes (another program, a benchmark's llama.cpp) keep their own default."""
+    settings.restore_openmp_environment(_WAIT_POLICY)
+
+
 def wait_policy() -> str:
     """Who chose how OpenMP's idle threads wait in this process: ``passive`` (rsmem set it), ``user`` (the
     user's ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT``), ``off`` (``RSMEM_OMP_PASSIVE=0``) or ``too late``
