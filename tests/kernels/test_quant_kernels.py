@@ -4,7 +4,10 @@ reference twin, the torch op under torch.compile, the fallback without kernels, 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -367,16 +370,54 @@ def test_a_loaded_library_is_never_loaded_again(tmp_path, monkeypatch) -> None:
     assert build.build_variant("rsmem_native", build.CFLAGS, tmp_path) is torch.ops.rsmem_native
 
 
-def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
-    """torch's build waits without end while its lock file exists; a lock older than any build here was
-    left by a killed build and goes, a recent one belongs to a build in progress and stays."""
-    lock = tmp_path / "lock"
-    lock.touch()
-    build._clear_stale_lock(lock)
-    assert lock.exists()
-    old = time.time() - build.STALE_LOCK_SECONDS - 5
-    os.utime(lock, (old, old))
-    build._clear_stale_lock(lock)
-    assert not lock.exists()
-    assert "stale kernel build lock" in capsys.readouterr().err
-    build._clear_stale_lock(lock)  # no lock at all: nothing to do
+def _fake_build(monkeypatch, namespace: str, tmp_path: Path) -> tuple[Path, list[tuple[float, bool]]]:
+    """build_variant with torch's build replaced by a recorder: when it ran, whether torch's lock existed."""
+    name = build._build_name((*build.CFLAGS, f"-DRSMEM_OPS_NS={namespace}"))
+    from torch.utils import cpp_extension
+
+    build_dir = tmp_path / name
+    calls: list[tuple[float, bool]] = []
+    monkeypatch.setattr(
+        cpp_extension, "load", lambda **_: calls.append((time.monotonic(), (build_dir / "lock").exists()))
+    )
+    return build_dir, calls
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch, capsys):
+    """torch's build waits without end while its ``lock`` file exists; one left behind by a killed build
+    (nobody holds rsmem's flock) goes before the build, with a line saying so."""
+    build_dir, calls = _fake_build(monkeypatch, "rsmem_locktest_a", tmp_path)
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()
+    build.build_variant("rsmem_locktest_a", build.CFLAGS, tmp_path)
+    assert [seen for _, seen in calls] == [False]
+    assert "left by a killed build" in capsys.readouterr().err
+    build.build_variant("rsmem_locktest_a", build.CFLAGS, tmp_path)  # no lock at all: nothing to say
+    assert "build lock" not in capsys.readouterr().err
+
+
+def test_a_build_in_progress_elsewhere_is_waited_for(tmp_path, monkeypatch, capsys):
+    """Another process building (it holds rsmem's flock, torch's ``lock`` exists) is not disturbed: this
+    one waits until it is done, then loads, and removes nothing."""
+    build_dir, calls = _fake_build(monkeypatch, "rsmem_locktest_b", tmp_path)
+    build_dir.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, pathlib, sys, time\n"
+            "d = pathlib.Path(sys.argv[1])\n"
+            "f = open(d / 'rsmem-build.flock', 'a+b'); fcntl.flock(f.fileno(), fcntl.LOCK_EX)\n"
+            "(d / 'lock').touch(); print('held', flush=True); time.sleep(1.0); (d / 'lock').unlink()\n",
+            str(build_dir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    held_at = time.monotonic()
+    build.build_variant("rsmem_locktest_b", build.CFLAGS, tmp_path)
+    assert holder.wait(timeout=30) == 0
+    assert [seen for _, seen in calls] == [False]  # it ran after the holder removed its own lock
+    assert calls[0][0] - held_at > 0.5  # and waited for it (the holder held ~1 s)
+    assert "build lock" not in capsys.readouterr().err

@@ -65,9 +65,11 @@ def served(shutdown_timeout: float) -> Iterator[Served]:
     )
     try:
         assert proc.stderr is not None
-        banner = proc.stderr.readline()
-        found = re.search(r"on (http://127\.0\.0\.1:\d+) with 2 slots", banner)
-        assert found, banner
+        before = []  # lines before the banner (a first run's kernel build says so on stderr)
+        while (line := proc.stderr.readline()) and not line.startswith("rsmem serve:"):
+            before.append(line)
+        found = re.search(r"on (http://127\.0\.0\.1:\d+) with 2 slots", line)
+        assert found, "".join(before) + line
         url = found.group(1)
         deadline = time.monotonic() + 30
         while True:

@@ -13,13 +13,15 @@ the tolerances their tests state).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import platform
 import shutil
 import sys
 import threading
-import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,35 +98,42 @@ def build_variant(namespace: str, cflags: tuple[str, ...], folder: Path) -> Any:
     name = _build_name(flags)
     build_dir = folder / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    _clear_stale_lock(build_dir / "lock")
-    if not (build_dir / f"{name}.so").exists():  # ~30 s here, once per machine: say so, not a silent pause
-        sys.stderr.write(f"[rsmem: building its C++ kernels for this CPU, once, into {build_dir}]\n")
-    cpp_extension.load(
-        name=name,
-        sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=list(flags),
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(CSRC)],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
+    with _build_lock(build_dir):
+        if not (build_dir / f"{name}.so").exists():  # ~30 s here, once per machine: say so, not a pause
+            sys.stderr.write(f"[rsmem: building its C++ kernels for this CPU, once, into {build_dir}]\n")
+        cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=list(flags),
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
     return getattr(torch.ops, namespace)
 
 
-# torch's build holds a lock file in the build folder while it compiles and waits, without end, while one
-# exists; a build killed midway leaves it behind. A build here takes under a minute: an older lock is stale.
-STALE_LOCK_SECONDS = 600.0
+@contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold rsmem's own lock on ``build_dir`` while torch builds or loads there.
 
-
-def _clear_stale_lock(lock: Path) -> None:
-    """Remove a build lock left by a build that did not finish (older than :data:`STALE_LOCK_SECONDS`)."""
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-            lock.unlink()
-            sys.stderr.write(f"[rsmem: removed a stale kernel build lock, {lock}]\n")
-    except FileNotFoundError:
-        pass
+    torch's build marks itself with a ``lock`` file and waits, without end, while one exists; a build killed
+    midway (a timed-out test, Ctrl-C) leaves it behind, and every later process then hangs. rsmem's lock is
+    an ``flock`` on another file, which the kernel releases when its holder dies: whoever holds it is the
+    only rsmem build in that folder, so a torch ``lock`` found then was left by a build that did not finish,
+    and goes (with a line saying so). Two processes starting at once still build once: the second waits
+    here, then loads what the first built."""
+    with open(build_dir / "rsmem-build.flock", "a+b") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        try:
+            left = build_dir / "lock"
+            if left.exists():
+                left.unlink()
+                sys.stderr.write(f"[rsmem: removed a kernel build lock left by a killed build, {left}]\n")
+            yield
+        finally:
+            fcntl.flock(held.fileno(), fcntl.LOCK_UN)
 
 
 def _build() -> Any:
