@@ -72,7 +72,9 @@ POLICIES = {
     "default": {},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     # libgomp spins this many iterations after a parallel region, then sleeps (torch's default: 300,000)
+    "spin300": {"GOMP_SPINCOUNT": "300"},
     "spin1k": {"GOMP_SPINCOUNT": "1000"},
+    "spin3k": {"GOMP_SPINCOUNT": "3000"},
     "spin10k": {"GOMP_SPINCOUNT": "10000"},
     "spin100k": {"GOMP_SPINCOUNT": "100000"},
 }
