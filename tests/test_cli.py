@@ -63,6 +63,7 @@ def test_info_reports_architecture_and_state_size():
     assert "architecture:    mamba" in r.stdout
     assert "state per seq:" in r.stdout and "parameters:" in r.stdout
     assert "decode steps:    eager" in r.stdout  # the small embedded model is below the compile threshold
+    assert "malloc:          freed blocks kept for reuse" in r.stdout
 
 
 def test_generate_accepts_compile_off():

@@ -2,6 +2,7 @@
 
 # first, before anything imports torch: OpenMP's idle threads sleep instead of spinning (rsmem.threads)
 import rsmem.threads  # isort: skip
+import rsmem.malloc  # isort: skip
 from rsmem.batch import Batch, BatchAllocator, UBatch
 from rsmem.context import Context
 from rsmem.engine import LLM, Engine, RequestOutput, SamplingParams
@@ -18,6 +19,8 @@ from rsmem.memory import MemoryStatus, RecurrentMemory, RecurrentMemoryContext, 
 
 # torch has loaded (and libgomp read the policy): the process's environment is the user's again
 rsmem.threads.restore_environment()
+# repeated steps reuse freed heap instead of faulting fresh pages in (rsmem.malloc)
+rsmem.malloc.keep_freed_memory()
 
 __version__ = "0.1.0"
 

@@ -16,6 +16,10 @@ variable                  default  effect
                                    ``GOMP_SPINCOUNT`` is set (before torch loads: see ``rsmem.threads``)
 ``RSMEM_KERNELS``         1        ``0``: no C++ kernels for quantized matrices (``rsmem.kernels`` uses
                                    its torch reference instead)
+``RSMEM_MALLOC``          1        ``0``: leave glibc's malloc thresholds alone (``rsmem.malloc``); they
+                                   are also left when ``MALLOC_TRIM_THRESHOLD_``,
+                                   ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or ``GLIBC_TUNABLES``
+                                   is set
 ``RSMEM_KERNELS_DIR``              where the C++ kernels are built and cached (default
                                    ``$XDG_CACHE_HOME/rsmem/kernels``, else ``~/.cache/rsmem/kernels``)
 ========================= ======== ==================================================================
@@ -91,6 +95,17 @@ def openmp_waits_passively() -> bool:
     """Whether the environment makes OpenMP's idle threads sleep at once (read as torch loads)."""
     policy = os.environ.get("OMP_WAIT_POLICY", "").strip().upper()
     return policy == "PASSIVE" or os.environ.get("GOMP_SPINCOUNT", "").strip() == "0"
+
+
+def malloc_setting() -> Literal["auto", "user", "off"]:
+    """Whether ``import rsmem`` may tune glibc's malloc: ``off`` (``RSMEM_MALLOC=0``), ``user`` (the
+    environment tunes it already: glibc read that at start), else ``auto``."""
+    if os.environ.get("RSMEM_MALLOC", "").strip() == "0":
+        return "off"
+    tuned = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+    if any(name in os.environ for name in tuned):
+        return "user"
+    return "auto"
 
 
 def prepare_openmp_environment() -> WaitPolicy:

@@ -11,12 +11,20 @@ from typing import cast
 
 import torch
 
+from rsmem import malloc
 from rsmem.cli.inputs import check_output_path
 from rsmem.cli.model import model_path
 from rsmem.cli.run import Progress
 from rsmem.errors import RsmemError
 from rsmem.loaders.quantize import convert_then_quantize, quantize_types
 from rsmem.models.ops.quantized import QuantMatrix
+
+MALLOC_WORDS = {
+    "kept": "freed blocks kept for reuse (thresholds fixed)",
+    "user": "as the environment tunes it",
+    "off": "glibc's defaults",
+    "unavailable": "not glibc's: left alone",
+}
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -114,6 +122,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"threads:         {threads.choose_threads(model)} (RSMEM_THREADS / -t, else by the model), "
         f"OpenMP wait policy: {threads.wait_policy()}"
     )
+    print(f"malloc:          {MALLOC_WORDS[malloc.policy() or 'off']} (RSMEM_MALLOC; rsmem.malloc)")
     if tokenizer is not None:
         print(
             f"tokenizer:       {tokenizer.tokenizer.get_vocab_size()} tokens, bos {tokenizer.bos_token_id}, "
