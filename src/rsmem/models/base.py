@@ -16,7 +16,7 @@ import torch
 
 from rsmem.batch.batch import Batch, UBatch
 from rsmem.hugepages import huge_page_copies
-from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
+from rsmem.models.compiled import GLUE_MIN_CHUNK, CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import CapturePoints, output_rows
 from rsmem.models.ops.fused import RowsOperand, token_step, token_step_many
 from rsmem.models.ops.norm import rms_norm
@@ -126,12 +126,18 @@ class MambaFamilyModel:
             def mutated(i: int) -> bool:  # args: x, norm_f, lm_head, eps, then per layer n_fields tensors
                 return i >= 4 and (i - 4) % n_fields >= n_fields - 2  # ending with window and h
 
-            self._token_step_one = CompiledStep(token_step(layer_fn, n_fields, consts), mutated=mutated)
+            glue = {"cpp.min_chunk_size": GLUE_MIN_CHUNK}  # see rsmem.models.compiled.GLUE_MIN_CHUNK
+            self._token_step_one = CompiledStep(
+                token_step(layer_fn, n_fields, consts), mutated=mutated, options=glue
+            )
             states = [
                 4 + il * n_fields + k for il in range(self.n_layer) for k in (n_fields - 2, n_fields - 1)
             ]
             self._token_step_many = CompiledStep(
-                token_step_many(self.layer_many(), n_fields, consts), batch_args=(0, *states), mutated=mutated
+                token_step_many(self.layer_many(), n_fields, consts),
+                batch_args=(0, *states),
+                mutated=mutated,
+                options=glue,
             )
             self.make_compiled_steps()
             # what the steps take besides x and the states: (step, head, each layer's weights), for one

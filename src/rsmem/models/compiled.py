@@ -47,6 +47,14 @@ RECOMPILE_LIMIT = 64
 # buffers: the generated Python wrapper's checks of each input's size and alignment cost ~0.3 ms a token,
 # and dynamo's guards already check shapes and strides before the call.
 INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
+# Decode steps' glue (norms, the short convolution, gates, SwiGLU: [Bs, <= 3d]) on the calling thread:
+# inductor runs a kernel on one thread when each thread's share would be under this many elements (its
+# default is 512). A parallel region over a few thousand elements costs more in its hand-off than it saves,
+# and on a shared machine the other thread may wait for a core (rsmem serve at -t 2 beside its own client:
+# the compiled step's barriers were most of the engine thread's samples). The products (their own kernels)
+# and Mamba-2's state update ([Bs, H, P, N]: 32,768 a sequence in the embedded model, 196,608 at 130M)
+# stay parallel.
+GLUE_MIN_CHUNK = 1 << 16
 
 CompileSetting = bool | str | None
 
@@ -108,11 +116,9 @@ class CompiledStep(Generic[R]):
         self.batch_args = batch_args
         release_gil_in_kernels()
         self._mutated = mutated if callable(mutated) else mutated.__contains__
+        self.options = {**INDUCTOR_OPTIONS, **(options or {})}  # what inductor compiles with
         self._compiled = torch.compile(
-            fn,
-            fullgraph=True,
-            dynamic=None if batch_args else False,
-            options={**INDUCTOR_OPTIONS, **(options or {})},
+            fn, fullgraph=True, dynamic=None if batch_args else False, options=self.options
         )
         if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT

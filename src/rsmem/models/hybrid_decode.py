@@ -23,15 +23,12 @@ from typing import Any, cast
 
 import torch
 
-from rsmem.models.compiled import CompiledStep
+from rsmem.models.compiled import GLUE_MIN_CHUNK, CompiledStep
 from rsmem.models.ops.fused import gemv, matmul_rows
 from rsmem.models.ops.hybrid_fused import ATTN_IN_BATCH, ATTN_IN_TENSORS, Block, chain
 
-# Several sequences' chains: inductor runs a kernel on one thread when each thread's share would be under
-# this many elements (its default is 512) at the batch size it compiled with. The glue between the
-# products (norms, the short convolution, SwiGLU: [Bs, <= 3d]) then runs where it is, with no hand-off to
-# the other thread; Mamba-2's state update ([Bs, H, P, N], 196,608 a sequence here) stays parallel.
-MANY_MIN_CHUNK = 1 << 16
+# several sequences' chains keep their glue on one thread (rsmem.models.compiled.GLUE_MIN_CHUNK)
+MANY_MIN_CHUNK = GLUE_MIN_CHUNK
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
