@@ -197,16 +197,15 @@ def test_no_recompiles_after_warm_up(arch: str) -> None:
 
 
 @needs_cxx
-@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
-def test_steps_keep_their_glue_on_one_thread(arch: str) -> None:
-    """Mamba and Mamba-2 steps compile with the hybrids' glue threshold: small elementwise kernels run
-    where they are instead of handing a few thousand elements to another thread (on a shared machine
-    that thread waits for a core: rsmem serve -t 2 (b) wall 1.89-2.18 -> 1.35-1.71 s here)."""
+@pytest.mark.parametrize(("arch", "threshold"), [("mamba2", GLUE_MIN_CHUNK), ("mamba", None)])
+def test_mamba2_steps_keep_their_glue_on_one_thread(arch: str, threshold: int | None) -> None:
+    """Mamba-2 steps compile with the hybrids' glue threshold: small elementwise kernels run where they
+    are instead of handing a few thousand elements to another thread (on a shared machine that thread
+    waits for a core). Mamba keeps inductor's default (its batched scan kernels were slower on one)."""
     model = _model(arch)
     model.set_compile(True)
     steps = [model._token_step_one, model._token_step_many]
-    assert [s.options.get("cpp.min_chunk_size") for s in steps] == [GLUE_MIN_CHUNK, GLUE_MIN_CHUNK]
-    assert 4 * 3 * model.config.d_model < GLUE_MIN_CHUNK  # the glue of a few sequences stays below it
+    assert [s.options.get("cpp.min_chunk_size") for s in steps] == [threshold, threshold]
 
 
 def test_bf16_single_sequence_stays_eager() -> None:

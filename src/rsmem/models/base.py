@@ -16,7 +16,7 @@ import torch
 
 from rsmem.batch.batch import Batch, UBatch
 from rsmem.hugepages import huge_page_copies
-from rsmem.models.compiled import GLUE_MIN_CHUNK, CompiledStep, CompileSetting, resolve_compile
+from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import CapturePoints, output_rows
 from rsmem.models.ops.fused import RowsOperand, token_step, token_step_many
 from rsmem.models.ops.norm import rms_norm
@@ -54,6 +54,8 @@ class MambaFamilyModel:
 
     arch: ClassVar[str]
     matrices: ClassVar[tuple[str, ...]]  # layer fields held transposed, [in, out], in the compute dtype
+    # inductor's cpp.min_chunk_size for the compiled steps (None: its default; see GLUE_MIN_CHUNK)
+    glue_min_chunk: ClassVar[int | None] = None
 
     def __init__(
         self,
@@ -126,7 +128,7 @@ class MambaFamilyModel:
             def mutated(i: int) -> bool:  # args: x, norm_f, lm_head, eps, then per layer n_fields tensors
                 return i >= 4 and (i - 4) % n_fields >= n_fields - 2  # ending with window and h
 
-            glue = {"cpp.min_chunk_size": GLUE_MIN_CHUNK}  # see rsmem.models.compiled.GLUE_MIN_CHUNK
+            glue = {"cpp.min_chunk_size": self.glue_min_chunk} if self.glue_min_chunk else None
             self._token_step_one = CompiledStep(
                 token_step(layer_fn, n_fields, consts), mutated=mutated, options=glue
             )

@@ -47,7 +47,8 @@ RECOMPILE_LIMIT = 64
 # buffers: the generated Python wrapper's checks of each input's size and alignment cost ~0.3 ms a token,
 # and dynamo's guards already check shapes and strides before the call.
 INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
-# Decode steps' glue (norms, the short convolution, gates, SwiGLU: [Bs, <= 3d]) on the calling thread:
+# Mamba-2's and the hybrids' decode steps keep their glue (norms, the short convolution, gates, SwiGLU:
+# [Bs, <= 3d]) on the calling thread:
 # inductor runs a kernel on one thread when each thread's share would be under this many elements (its
 # default is 512). A parallel region over a few thousand elements costs more in its hand-off than it saves,
 # and on a shared machine the other thread may wait for a core (rsmem serve at -t 2 beside its own client:

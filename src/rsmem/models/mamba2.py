@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.models.base import MambaFamilyModel
-from rsmem.models.compiled import CompileSetting
+from rsmem.models.compiled import GLUE_MIN_CHUNK, CompileSetting
 from rsmem.models.ops.common import CapturePoints
 from rsmem.models.ops.conv import causal_conv1d_, conv_windows_at
 from rsmem.models.ops.fused import mamba2_layer_many_, mamba2_layer_one_
@@ -86,6 +86,10 @@ class Mamba2Model(MambaFamilyModel):
 
     arch = "mamba2"
     matrices = ("in_proj", "out_proj")
+    # the glue on the calling thread: rsmem serve -t 2, embedded model, (b)-like load: wall 1.89-2.18 ->
+    # 1.35-1.71 s; 130M decode x1/x8/x64 unchanged within noise. Mamba keeps inductor's default: its 130M
+    # x64 step took 62.6 -> 70-78 ms with this threshold (its batched scan kernels then ran on one thread)
+    glue_min_chunk = GLUE_MIN_CHUNK
 
     def __init__(
         self,
