@@ -421,3 +421,17 @@ def test_a_build_in_progress_elsewhere_is_waited_for(tmp_path, monkeypatch, caps
     assert [seen for _, seen in calls] == [False]  # it ran after the holder removed its own lock
     assert calls[0][0] - held_at > 0.5  # and waited for it (the holder held ~1 s)
     assert "build lock" not in capsys.readouterr().err
+
+
+def test_a_file_system_without_flock_builds_as_before(tmp_path, monkeypatch, capsys):
+    """flock refused (some network file systems): the build goes on, and torch's lock is left alone."""
+    build_dir, calls = _fake_build(monkeypatch, "rsmem_locktest_c", tmp_path)
+    build_dir.mkdir(parents=True)
+
+    def refuse(fd: int, op: int) -> None:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(build.fcntl, "flock", refuse)
+    build.build_variant("rsmem_locktest_c", build.CFLAGS, tmp_path)
+    assert [seen for _, seen in calls] == [False]
+    assert "build lock" not in capsys.readouterr().err

@@ -125,7 +125,11 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
     and goes (with a line saying so). Two processes starting at once still build once: the second waits
     here, then loads what the first built."""
     with open(build_dir / "rsmem-build.flock", "a+b") as held:
-        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        except OSError:  # a file system without flock: build as torch alone would, leaving its lock be
+            yield
+            return
         try:
             left = build_dir / "lock"
             if left.exists():
