@@ -5,7 +5,7 @@ embedded model: tensors of 1-3 MiB). glibc's malloc serves blocks above its mmap
 ``mmap`` and gives them back on ``free``; its threshold rises to the largest block freed, and the top of
 the heap is handed back to the system whenever more than twice that lies free there. Either way the next
 step's tensors land on pages the kernel must fault in and zero again: measured here, 512-token chunks of
-the embedded model took ~3,000 minor page faults each and 512-token pieces of a 1,024-token prompt ran
+the embedded model took 1,000-3,500 minor page faults each and 512-token pieces of a 1,024-token prompt ran
 1.15-1.3x slower than 256-token ones, which faulted nothing.
 
 ``import rsmem`` therefore fixes glibc's thresholds (``mallopt``): blocks up to :data:`MMAP_THRESHOLD`
@@ -19,7 +19,6 @@ Another allocator preloaded (jemalloc, tcmalloc) keeps its own policy (the call 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from typing import Literal
 
 from rsmem import settings
@@ -56,8 +55,7 @@ def _apply() -> MallocPolicy:
     if choice != "auto":
         return choice
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own symbols: libc's, where it is glibc
     except (OSError, AttributeError):
         return "unavailable"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
