@@ -48,13 +48,12 @@ RECOMPILE_LIMIT = 64
 # and dynamo's guards already check shapes and strides before the call.
 INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 # Mamba-2's and the hybrids' decode steps keep their glue (norms, the short convolution, gates, SwiGLU:
-# [Bs, <= 3d]) on the calling thread:
-# inductor runs a kernel on one thread when each thread's share would be under this many elements (its
-# default is 512). A parallel region over a few thousand elements costs more in its hand-off than it saves,
-# and on a shared machine the other thread may wait for a core (rsmem serve at -t 2 beside its own client:
-# the compiled step's barriers were most of the engine thread's samples). The products (their own kernels)
-# and Mamba-2's state update ([Bs, H, P, N]: 32,768 a sequence in the embedded model, 196,608 at 130M)
-# stay parallel.
+# [Bs, <= 3d]) on the calling thread: inductor runs a kernel on one thread when each thread's share would
+# be under this many elements (its default is 512). A parallel region over a few thousand elements costs
+# more in its hand-off than it saves, and on a shared machine the other thread may wait for a core (rsmem
+# serve at -t 2 beside its own client: the compiled step's barriers were most of the engine thread's
+# samples). The products (their own kernels) and Mamba-2's state update ([Bs, H, P, N]: 32,768 a sequence
+# in the embedded model, 196,608 at 130M) stay parallel.
 GLUE_MIN_CHUNK = 1 << 16
 
 CompileSetting = bool | str | None

@@ -27,9 +27,6 @@ from rsmem.models.compiled import GLUE_MIN_CHUNK, CompiledStep
 from rsmem.models.ops.fused import gemv, matmul_rows
 from rsmem.models.ops.hybrid_fused import ATTN_IN_BATCH, ATTN_IN_TENSORS, Block, chain
 
-# several sequences' chains keep their glue on one thread (rsmem.models.compiled.GLUE_MIN_CHUNK)
-MANY_MIN_CHUNK = GLUE_MIN_CHUNK
-
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
@@ -76,7 +73,7 @@ class Chains:
             product = matmul_rows if self.many else gemv
             fn = chain(blocks, tail, consts, product)
             batch_args = tuple(batch) if self.many else ()
-            options = {"cpp.min_chunk_size": MANY_MIN_CHUNK} if self.many else None
+            options = {"cpp.min_chunk_size": GLUE_MIN_CHUNK} if self.many else None  # glue on one thread
             found = CompiledStep(fn, batch_args=batch_args, mutated=tuple(mutated), options=options)
             self._steps[key] = found
         return found

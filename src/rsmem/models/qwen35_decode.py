@@ -23,8 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rsmem.models.compiled import CompiledStep
-from rsmem.models.hybrid_decode import MANY_MIN_CHUNK
+from rsmem.models.compiled import GLUE_MIN_CHUNK, CompiledStep
 from rsmem.models.ops.delta_net import l2_norm
 from rsmem.models.ops.fused import Product, gemv, matmul_rows
 from rsmem.models.ops.hybrid_fused import swiglu_
@@ -219,7 +218,7 @@ class QwenChains:
                     fn,
                     batch_args=tuple(batch) if self.many else (),
                     mutated=tuple(mutated),
-                    options={"cpp.min_chunk_size": MANY_MIN_CHUNK},  # the glue on one thread
+                    options={"cpp.min_chunk_size": GLUE_MIN_CHUNK},  # the glue on one thread
                 )
             else:
                 found = fn
