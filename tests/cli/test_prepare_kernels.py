@@ -1,5 +1,6 @@
 """``rsmem serve`` loads the C++ kernels before serving a model whose prompts use them (Mamba-2's scan), so
-that no request waits for their first build; other models do not load them."""
+that no request waits for their first build (the convolution of every model with one, Mamba-2's scan);
+other models (RWKV) do not load them."""
 
 from __future__ import annotations
 
@@ -11,8 +12,18 @@ from rsmem.cli import model as cli_model
 from rsmem.kernels import build
 
 
-@pytest.mark.parametrize(("arch", "wanted"), [("mamba2", True), ("nemotron_h", True), ("mamba", False)])
-def test_serve_prepares_the_kernels_of_scanning_models(
+@pytest.mark.parametrize(
+    ("arch", "wanted"),
+    [
+        ("mamba2", True),
+        ("nemotron_h", True),
+        ("mamba", True),
+        ("lfm2", True),
+        ("qwen35", True),
+        ("rwkv7", False),
+    ],
+)
+def test_serve_prepares_the_kernels_of_models_that_use_them(
     arch: str, wanted: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls: list[int] = []

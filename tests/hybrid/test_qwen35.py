@@ -318,7 +318,9 @@ def test_a_restored_checkpoint_continues_as_a_fresh_sequence(model, unified: boo
         fresh.decode(Batch([tok]))  # rounding this model amplifies to a few 1e-5
         for dest in (0, 2):
             ctx.decode(Batch([tok], seq_ids=[[dest]]))
-            _close(ctx.get_logits(-1), fresh.get_logits(-1), 1e-6)
+            # one KV stream: attention also masks the other sequences' cells, so its sums round
+            # differently (0.5-1.4e-6 seen, with or without the C++ prompt convolution)
+            _close(ctx.get_logits(-1), fresh.get_logits(-1), 3e-6 if unified else 1e-6)
 
 
 def test_gguf_metadata_with_mtp_layers_and_without_layer_flags() -> None:
