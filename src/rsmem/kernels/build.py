@@ -1,7 +1,7 @@
 """Building and loading the C++ kernels (``csrc/``) at first use, with a checked fallback.
 
 :func:`native_ops` builds :data:`SOURCES` (quantized products, Mamba-2's scan, few-row products, the prompt
-convolution) with
+convolution and gated norm) with
 ``torch.utils.cpp_extension.load`` (ninja, ``-O3 -march=native``: AVX-512 code where the CPU has it, else a
 portable path) into the folder that :func:`rsmem.settings.kernels_setting` names, and loads it as torch ops
 (``torch.ops.rsmem_native``: no Python module, so no pybind; with ATen's and torch/library.h's headers instead
@@ -31,7 +31,7 @@ import torch
 from rsmem import settings
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("qmatmul.cpp", "ssd_scan.cpp", "rows_f32.cpp", "conv1d.cpp")
+SOURCES = ("qmatmul.cpp", "ssd_scan.cpp", "rows_f32.cpp", "conv1d.cpp", "gated_norm.cpp")
 HEADERS = (
     "blocks.h",
     "bf16_tiles.h",

@@ -1,0 +1,130 @@
+// RMS norms of a prompt in one pass: Mamba-2's gated output norm (g = y * silu(z), then each group of g
+// divided by its RMS and multiplied by the weight) and, with no z, the plain pre-norm of every layer. torch
+// runs them as five to seven elementwise and reduction kernels over the tensor, each a parallel region of
+// its own; here it is one, reading y and z where they lie.
+//
+//   y [Bs, L, D], z [Bs, L, D] or an empty tensor (no gate), float32 with unit stride over D and token rows
+//   evenly spaced (a column slice of a wider tensor is fine); weight [D]; n_group divides D. Returns out
+//   [Bs, L, D] contiguous: out[r, g*Dg + j] = gz[j] / sqrt(mean(gz^2) + eps) * weight[g*Dg + j], with
+//   gz = (y * silu(z))[r, g*Dg ...] (y itself without z).
+//
+// silu's exponential is a Cephes-style polynomial (AVX-512 where compiled for it, else std::exp), ~1 ulp.
+// Threaded with at::parallel_for over rows. Its reference twin is
+// rsmem.models.ops.norm.gated_group_rms_norm's torch form (tests/kernels/test_gated_norm.py).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace rsmem {
+namespace {
+
+#if defined(__AVX512F__)
+// exp(x) for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial, times 2^n
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// gz = y * silu(z) over n values (y itself when z is null); returns the sum of gz^2
+inline float gate_row(const float* __restrict y, const float* __restrict z, float* __restrict gz, int64_t n) {
+  int64_t j = 0;
+  float ss = 0.f;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.f);
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    __m512 g = _mm512_loadu_ps(y + j);
+    if (z != nullptr) {
+      const __m512 zv = _mm512_loadu_ps(z + j);
+      g = _mm512_mul_ps(g, _mm512_div_ps(zv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), zv)))));
+    }
+    _mm512_storeu_ps(gz + j, g);
+    acc = _mm512_fmadd_ps(g, g, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; j < n; ++j) {
+    const float g = z != nullptr ? y[j] * (z[j] / (1.f + std::exp(-z[j]))) : y[j];
+    gz[j] = g;
+    ss += g * g;
+  }
+  return ss;
+}
+
+// the spacing of the token rows of a [Bs, L, D] tensor with unit stride over D, else -1 (not evenly spaced)
+int64_t row_stride(const at::Tensor& t) {
+  if (t.dim() != 3 || t.stride(2) != 1) return -1;
+  const int64_t Bs = t.size(0), L = t.size(1);
+  if (L > 1) return (Bs == 1 || t.stride(0) == L * t.stride(1)) ? t.stride(1) : -1;
+  return Bs > 1 ? t.stride(0) : t.size(2);
+}
+
+at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& z, const at::Tensor& weight_, int64_t n_group,
+                          double eps) {
+  const bool gated = z.numel() > 0;
+  TORCH_CHECK(y.scalar_type() == at::kFloat && z.scalar_type() == at::kFloat, "gated_rms_norm: float32 y, z");
+  TORCH_CHECK(y.dim() == 3 && (!gated || y.sizes() == z.sizes()),
+              "gated_rms_norm: y and z must be [Bs, L, D] alike");
+  const int64_t Bs = y.size(0), L = y.size(1), D = y.size(2), rows = Bs * L;
+  TORCH_CHECK(n_group > 0 && D % n_group == 0, "gated_rms_norm: n_group must divide D");
+  TORCH_CHECK(weight_.scalar_type() == at::kFloat && weight_.numel() == D, "gated_rms_norm: weight [D]");
+  const int64_t sy = row_stride(y), sz = gated ? row_stride(z) : D;
+  TORCH_CHECK(sy >= D && sz >= D, "gated_rms_norm: rows must have unit stride over D and even spacing");
+  const at::Tensor weight = weight_.contiguous();
+  at::Tensor out = at::empty({Bs, L, D}, y.options());
+  const float *yp = y.data_ptr<float>(), *zp = gated ? z.data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t Dg = D / n_group;
+  const float feps = static_cast<float>(eps);
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / D);
+
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* o = op + r * D;
+      for (int64_t g = 0; g < n_group; ++g) {
+        const int64_t off = g * Dg;
+        const float ss = gate_row(yp + r * sy + off, gated ? zp + r * sz + off : nullptr, o + off, Dg);
+        const float scale = 1.f / std::sqrt(ss / static_cast<float>(Dg) + feps);
+        const float* w = wp + off;
+        float* og = o + off;
+#pragma omp simd
+        for (int64_t j = 0; j < Dg; ++j) og[j] = og[j] * scale * w[j];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace rsmem
+
+#ifndef RSMEM_OPS_NS
+#define RSMEM_OPS_NS rsmem_native
+#endif
+
+TORCH_LIBRARY_FRAGMENT(RSMEM_OPS_NS, m) {
+  m.def("gated_rms_norm(Tensor y, Tensor z, Tensor weight, int n_group, float eps) -> Tensor",
+        &rsmem::gated_rms_norm);
+}
