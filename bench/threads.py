@@ -76,6 +76,7 @@ POLICIES = {
     "spin1k": {"GOMP_SPINCOUNT": "1000"},
     "spin3k": {"GOMP_SPINCOUNT": "3000"},
     "spin10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin30k": {"GOMP_SPINCOUNT": "30000"},
     "spin100k": {"GOMP_SPINCOUNT": "100000"},
 }
 
