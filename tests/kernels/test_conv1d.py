@@ -10,7 +10,6 @@ from kernel_variants import ops_for_march
 
 from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
-from rsmem.models.ops import conv
 from rsmem.models.ops.conv import causal_conv1d, causal_conv1d_, causal_conv1d_ref
 
 
@@ -77,21 +76,21 @@ def test_prompts_take_the_kernel_and_one_token_never(monkeypatch: pytest.MonkeyP
             calls.append(args[0].shape[1])
             return ops.conv1d_causal_(*args)
 
-    monkeypatch.setattr(conv, "native_ops", lambda: Spy())
-    monkeypatch.setattr(conv, "loaded_native_ops", lambda: Spy() if loaded else None)
-    for n in (1, 2, conv.NATIVE_MIN_TOKENS - 1, conv.NATIVE_MIN_TOKENS + 3):
+    monkeypatch.setattr(build, "native_ops", lambda: Spy())
+    monkeypatch.setattr(build, "loaded_native_ops", lambda: Spy() if loaded else None)
+    for n in (1, 2, build.PROMPT_MIN_TOKENS - 1, build.PROMPT_MIN_TOKENS + 3):
         x, window0, weight, bias = inputs(2, n, 24, 4, True, seed=n)
         y_ref, window_ref = causal_conv1d_ref(x, window0.clone(), weight, bias)
         y, window = causal_conv1d(x, window0, weight, bias)
         assert float((y - y_ref).abs().max()) < 1e-5 * float(y_ref.abs().max())
         assert torch.equal(window, window_ref)
-    short = [2, conv.NATIVE_MIN_TOKENS - 1] if loaded else []
-    assert calls == [*short, conv.NATIVE_MIN_TOKENS + 3]
+    short = [2, build.PROMPT_MIN_TOKENS - 1] if loaded else []
+    assert calls == [*short, build.PROMPT_MIN_TOKENS + 3]
 
 
 def test_other_dtypes_and_layouts_keep_the_torch_form(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(conv, "native_ops", lambda: pytest.fail("the kernel was asked for"))
-    monkeypatch.setattr(conv, "loaded_native_ops", lambda: pytest.fail("the kernel was asked for"))
+    monkeypatch.setattr(build, "native_ops", lambda: pytest.fail("the kernel was asked for"))
+    monkeypatch.setattr(build, "loaded_native_ops", lambda: pytest.fail("the kernel was asked for"))
     x, window, weight, bias = inputs(2, 80, 16, 4, True)
     for args in (
         (x.double(), window.double(), weight.double(), bias.double()),  # float64

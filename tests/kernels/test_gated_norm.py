@@ -11,7 +11,6 @@ from kernel_variants import ops_for_march
 
 from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
-from rsmem.models.ops import norm
 from rsmem.models.ops.norm import gated_group_rms_norm, gated_group_rms_norm_ref, rms_norm, rms_norm_ref
 
 
@@ -99,20 +98,20 @@ def test_prompts_take_the_kernel_and_one_token_never(monkeypatch: pytest.MonkeyP
             calls.append(args[0].shape[1])
             return ops.gated_rms_norm(*args)
 
-    monkeypatch.setattr(norm, "native_ops", lambda: Spy())
-    monkeypatch.setattr(norm, "loaded_native_ops", lambda: Spy() if loaded else None)
-    for n in (1, 2, norm.NATIVE_MIN_TOKENS - 1, norm.NATIVE_MIN_TOKENS + 3):
+    monkeypatch.setattr(build, "native_ops", lambda: Spy())
+    monkeypatch.setattr(build, "loaded_native_ops", lambda: Spy() if loaded else None)
+    for n in (1, 2, build.PROMPT_MIN_TOKENS - 1, build.PROMPT_MIN_TOKENS + 3):
         y, z, weight = inputs(2, n, 64, seed=n)
         got = gated_group_rms_norm(y, z, weight, 2, 1e-5)
         assert rel(got, gated_group_rms_norm_ref(y, z, weight, 2, 1e-5)) < 2e-6
         assert rel(rms_norm(y, weight, 1e-5), rms_norm_ref(y, weight, 1e-5)) < 2e-6
-    short = [2, 2, norm.NATIVE_MIN_TOKENS - 1, norm.NATIVE_MIN_TOKENS - 1] if loaded else []
-    assert calls == [*short, norm.NATIVE_MIN_TOKENS + 3, norm.NATIVE_MIN_TOKENS + 3]
+    short = [2, 2, build.PROMPT_MIN_TOKENS - 1, build.PROMPT_MIN_TOKENS - 1] if loaded else []
+    assert calls == [*short, build.PROMPT_MIN_TOKENS + 3, build.PROMPT_MIN_TOKENS + 3]
 
 
 def test_other_dtypes_and_layouts_keep_the_torch_form(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(norm, "native_ops", lambda: pytest.fail("the kernel was asked for"))
-    monkeypatch.setattr(norm, "loaded_native_ops", lambda: pytest.fail("the kernel was asked for"))
+    monkeypatch.setattr(build, "native_ops", lambda: pytest.fail("the kernel was asked for"))
+    monkeypatch.setattr(build, "loaded_native_ops", lambda: pytest.fail("the kernel was asked for"))
     y, z, weight = inputs(2, 80, 32)
     uneven = torch.randn(2, 90, 32)[:, :80]  # token rows evenly spaced within a sequence, not across them
     for args in (

@@ -11,7 +11,6 @@ from kernel_variants import ops_for_march
 
 from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
-from rsmem.models.ops import ssd
 from rsmem.models.ops.ssd import ssd_chunked_at_, ssd_ref, ssd_states_at_ref
 
 
@@ -88,9 +87,9 @@ def test_long_prompts_take_the_scan_and_short_ones_only_once_the_kernels_are_loa
             calls.append(args[0].shape[1])
             return real(*args)
 
-    monkeypatch.setattr(ssd, "native_ops", lambda: Spy())
-    monkeypatch.setattr(ssd, "loaded_native_ops", lambda: Spy() if loaded else None)
-    for n in (1, 2, ssd.NATIVE_MIN_TOKENS - 1, ssd.NATIVE_MIN_TOKENS + 7):
+    monkeypatch.setattr(build, "native_ops", lambda: Spy())
+    monkeypatch.setattr(build, "loaded_native_ops", lambda: Spy() if loaded else None)
+    for n in (1, 2, build.PROMPT_MIN_TOKENS - 1, build.PROMPT_MIN_TOKENS + 7):
         x, dt, A, B, C, D, h0 = inputs(2, n, 4, 16, 2, 32, seed=n)
         at = [(1, n - 1)]
         y_ref, h_ref = ssd_ref(x, dt, A, B, C, D, h0.clone())
@@ -98,8 +97,8 @@ def test_long_prompts_take_the_scan_and_short_ones_only_once_the_kernels_are_loa
         y, h_at = ssd_chunked_at_(x, dt, A, B, C, D, h, at, chunk_size=16)
         assert rel(y, y_ref) < 1e-5 and rel(h, h_ref) < 1e-5
         assert rel(h_at, ssd_states_at_ref(x, dt, A, B, C, D, h0.clone(), at)) < 1e-5
-    short = [2, ssd.NATIVE_MIN_TOKENS - 1] if loaded else []
-    assert calls == [*short, ssd.NATIVE_MIN_TOKENS + 7]  # one token: the state update, never the scan
+    short = [2, build.PROMPT_MIN_TOKENS - 1] if loaded else []
+    assert calls == [*short, build.PROMPT_MIN_TOKENS + 7]  # one token: the state update, never the scan
 
 
 def test_loaded_native_ops_never_builds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,7 +113,7 @@ def test_loaded_native_ops_never_builds(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_without_kernels_the_chunked_form_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ssd, "native_ops", lambda: None)
+    monkeypatch.setattr(build, "native_ops", lambda: None)
     x, dt, A, B, C, D, h0 = inputs(1, 80, 4, 16, 1, 32)
     y_ref, h_ref = ssd_ref(x, dt, A, B, C, D, h0.clone())
     h = h0.clone()

@@ -171,6 +171,26 @@ def native_ops() -> Any:
     return _state["ops"]
 
 
+# Prompts from this many tokens take the C++ kernels, building them on first use; a shorter one (a chat's
+# first words, ``make run``) takes them only when they are already loaded (``rsmem serve`` loads them at
+# start), and never waits for their first build.
+PROMPT_MIN_TOKENS = 64
+
+
+def prompt_ops(n_tokens: int, *tensors: torch.Tensor) -> Any:
+    """The kernels for one of a prompt's ops (Mamba-2's scan, the convolution, the norms) over ``n_tokens``
+    tokens of these tensors, else None: two tokens or more, float32 CPU tensors, not inside a graph being
+    compiled or one that records gradients; built for :data:`PROMPT_MIN_TOKENS` tokens up, otherwise only
+    when already loaded. The callers check their kernel's layouts."""
+    if n_tokens < 2 or torch.compiler.is_compiling():
+        return None
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return native_ops() if n_tokens >= PROMPT_MIN_TOKENS else loaded_native_ops()
+
+
 def loaded_native_ops() -> Any:
     """The kernels when :func:`native_ops` has already built or loaded them in this process, else None:
     never builds (for work too small to wait for the first build)."""

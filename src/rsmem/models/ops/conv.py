@@ -4,23 +4,18 @@ The window holds the last ``K - 1`` inputs of each channel, oldest first: torch 
 llama.cpp's ggml ``[K-1, C]`` row (fastest index first). transformers keeps ``K`` columns; llama.cpp and
 rsmem keep ``K - 1`` because the newest column is always the current token.
 
-A prompt's convolution runs in C++ when the kernels are there (``csrc/conv1d.cpp``, by the same rule as
-Mamba-2's scan, :func:`rsmem.models.ops.ssd.native_scan`): one pass from the in_proj slice to a contiguous
+A prompt's convolution runs in C++ when the kernels are there (``csrc/conv1d.cpp``, by the rule of
+:func:`rsmem.kernels.build.prompt_ops`, as Mamba-2's scan): one pass from the in_proj slice to a contiguous
 output. The torch form below is its reference twin and the path everywhere else.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-from rsmem.kernels.build import loaded_native_ops, native_ops
+from rsmem.kernels.build import prompt_ops
 from rsmem.models.ops.common import CapturePoints
-
-# prompts from this many tokens build the C++ kernels on first use (Mamba-2's scan uses the same number)
-NATIVE_MIN_TOKENS = 64
 
 
 def causal_conv1d_(
@@ -33,9 +28,11 @@ def causal_conv1d_(
     Several tokens of float32 on the CPU go to the C++ kernel when it is there (contiguous ``y``).
     """
     n_tokens = x.shape[1]
-    ops = _native(x, window, weight, bias) if n_tokens > 1 else None
-    if ops is not None:
-        return ops.conv1d_causal_(x, window, weight, x.new_empty(0) if bias is None else bias)
+    # a prompt in the kernel's layouts (one token is a decode step, compiled: its strides stay unread)
+    if n_tokens > 1 and x.stride(2) == 1 and window.is_contiguous() and weight.dim() == 2:
+        ops = prompt_ops(n_tokens, x, window, weight, *(() if bias is None else (bias,)))
+        if ops is not None:
+            return ops.conv1d_causal_(x, window, weight, x.new_empty(0) if bias is None else bias)
     xx = torch.cat([window, x.transpose(1, 2)], dim=2)  # [Bs, C, K-1+L]
     window.copy_(xx[:, :, n_tokens:])
     if n_tokens == 1:  # decode: one dot product per channel, no conv setup
@@ -45,19 +42,6 @@ def causal_conv1d_(
     else:
         y = F.conv1d(xx, weight.unsqueeze(1), bias, groups=weight.shape[0])  # [Bs, C, L]
     return y.transpose(1, 2)
-
-
-def _native(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
-    """The kernels for this convolution, or None: float32 CPU tensors of the kernel's layouts, not inside a
-    graph being compiled, and the kernels built (prompts of :data:`NATIVE_MIN_TOKENS`+ tokens build them)."""
-    tensors = (x, window, weight) if bias is None else (x, window, weight, bias)
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        return None
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
-        return None
-    if x.stride(2) != 1 or not window.is_contiguous() or weight.dim() != 2:
-        return None
-    return native_ops() if x.shape[1] >= NATIVE_MIN_TOKENS else loaded_native_ops()
 
 
 def causal_conv1d(

@@ -1,25 +1,23 @@
 """RMS norms of Mamba (pre-norm) and Mamba-2 (gated, per group), computed in float32.
 
 A prompt's norms run in C++ when the kernels are there (``csrc/gated_norm.cpp``: one pass instead of five
-to seven torch kernels), by the rule of :mod:`rsmem.models.ops.conv`; the torch forms are their twins.
+to seven torch kernels), by the rule of :func:`rsmem.kernels.build.prompt_ops`; the torch forms are their
+twins.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-from rsmem.kernels.build import loaded_native_ops, native_ops
-
-NATIVE_MIN_TOKENS = 64  # as the prompt convolution's
+from rsmem.kernels.build import prompt_ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dimension (float32 in, float32 out). Several tokens
     ``[Bs, L, D]`` of float32 on the CPU go to the C++ kernel when it is there."""
-    ops = _native(x, None, weight) if x.dim() == 3 and x.shape[1] > 1 else None
+    prompt = x.dim() == 3 and x.shape[1] > 1 and _kernel_layout(x, None, weight)
+    ops = prompt_ops(x.shape[1], x, weight) if prompt else None
     if ops is not None:
         return ops.gated_rms_norm(x, x.new_empty(0), weight, 1, eps)
     return rms_norm_ref(x, weight, eps)
@@ -39,7 +37,8 @@ def gated_group_rms_norm(
     compute it; ``weight`` is ``[d_inner]`` (llama.cpp stores it as ``[n_group, d_inner / n_group]``).
     Several tokens ``[Bs, L, d_inner]`` of float32 on the CPU go to the C++ kernel when it is there.
     """
-    ops = _native(y, z, weight) if y.dim() == 3 and y.shape[1] > 1 else None
+    prompt = y.dim() == 3 and y.shape[1] > 1 and _kernel_layout(y, z, weight)
+    ops = prompt_ops(y.shape[1], y, z, weight) if prompt else None
     if ops is not None:
         return ops.gated_rms_norm(y, z, weight, n_group, eps)
     return gated_group_rms_norm_ref(y, z, weight, n_group, eps)
@@ -56,19 +55,12 @@ def gated_group_rms_norm_ref(
     return g.reshape(shape) * weight
 
 
-def _native(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor) -> Any:
-    """The kernels for this norm, or None: float32 CPU tensors with unit stride over the last dimension, the
-    same shape, not inside a graph being compiled or one that records gradients, the kernels built."""
-    tensors = (y, weight) if z is None else (y, z, weight)
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        return None
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
-        return None
+def _kernel_layout(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Whether the kernel reads these ``[Bs, L, D]`` tensors as they lie: one weight a column, evenly
+    spaced rows with unit stride over D, ``z`` shaped as ``y``."""
     if weight.numel() != y.shape[-1] or not _even_rows(y):
-        return None
-    if z is not None and (y.shape != z.shape or not _even_rows(z)):
-        return None
-    return native_ops() if y.shape[1] >= NATIVE_MIN_TOKENS else loaded_native_ops()
+        return False
+    return z is None or (y.shape == z.shape and _even_rows(z))
 
 
 def _even_rows(t: torch.Tensor) -> bool:

@@ -7,27 +7,14 @@ Shapes: ``x`` ``[Bs, L, H, P]``, ``dt`` ``[Bs, L, H]`` (after softplus), ``A`` `
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-from rsmem.kernels.build import loaded_native_ops, native_ops
+from rsmem.kernels.build import prompt_ops
 from rsmem.models.ops.common import CapturePoints, scan_tokens, states_at_ref
 
 # Sequences whose states are updated together in one decode step: about what one core's L2 cache holds.
 STATE_BLOCK_BYTES = 1 << 20
-# Prompts from this many tokens run the C++ scan (csrc/ssd_scan.cpp), building the kernels on first use; a
-# shorter one (a chat's first words, ``make run``) takes it only when they are already loaded (``rsmem serve``
-# loads them at start), and never waits for their first build.
-NATIVE_MIN_TOKENS = 64
-
-
-def native_scan(n_tokens: int, *tensors: torch.Tensor) -> Any:
-    """The kernels whose C++ scan takes ``n_tokens`` tokens of these float32 CPU tensors, else None."""
-    if n_tokens < 2 or not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
-        return None
-    return native_ops() if n_tokens >= NATIVE_MIN_TOKENS else loaded_native_ops()
 
 
 def ssd_state_step(
@@ -123,7 +110,7 @@ def ssd_chunked_at_(
     """:func:`ssd_chunked_`, also returning the states after the points of ``at`` (``(b, t)``: sequence
     ``b`` after its token ``t``): ``(y [Bs, L, H, P], [len(at), H, P, N])``.
 
-    With the C++ kernels on (see :func:`native_scan`), the scan runs token by token in C++
+    With the C++ kernels on (see :func:`rsmem.kernels.build.prompt_ops`), the scan runs token by token in C++
     as llama.cpp's ``ssm_scan`` does (``csrc/ssd_scan.cpp``: H * P * N multiply-adds a token, the state in
     cache; 2-4x the chunked form on the 130M and embedded models' shapes); otherwise, and as its twin's
     check, the chunked form below.
@@ -139,7 +126,7 @@ def ssd_chunked_at_(
     if n_tokens == 1:
         y1 = ssd_state_update_(h, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D).unsqueeze(1)
         return y1, torch.stack([h[b] for b, _ in at]) if at else h.new_empty(0, *h.shape[1:])
-    ops = native_scan(n_tokens, x, dt, A, B, C, D, h) if h.is_contiguous() else None
+    ops = prompt_ops(n_tokens, x, dt, A, B, C, D, h) if h.is_contiguous() else None
     if ops is not None:
         at_b = torch.tensor([b for b, _ in at], dtype=torch.long)
         at_t = torch.tensor([t for _, t in at], dtype=torch.long)
