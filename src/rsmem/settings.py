@@ -91,6 +91,19 @@ def threads_setting() -> int | None:
     return n
 
 
+def spin_setting() -> int | None:
+    """``RSMEM_SPIN_US``: microseconds rsmem's product workers spin (yielding the core to any other thread)
+    for the next product before they sleep; 0 sleeps at once, a negative value hands the products to torch's
+    OpenMP threads. None when unset: the kernels' default (``kernels/csrc/pool.cpp``)."""
+    raw = os.environ.get("RSMEM_SPIN_US", "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"RSMEM_SPIN_US must be a whole number of microseconds, got {raw!r}") from None
+
+
 def openmp_waits_passively() -> bool:
     """Whether the environment makes OpenMP's idle threads sleep at once (read as torch loads)."""
     policy = os.environ.get("OMP_WAIT_POLICY", "").strip().upper()

@@ -31,7 +31,7 @@ import torch
 from rsmem import settings
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("qmatmul.cpp", "ssd_scan.cpp", "rows_f32.cpp", "conv1d.cpp", "gated_norm.cpp")
+SOURCES = ("qmatmul.cpp", "ssd_scan.cpp", "rows_f32.cpp", "conv1d.cpp", "gated_norm.cpp", "pool.cpp")
 HEADERS = (
     "blocks.h",
     "bf16_tiles.h",
@@ -40,6 +40,7 @@ HEADERS = (
     "int8.h",
     "int8_gemm.h",
     "int8_small.h",
+    "pool.h",
     "rows_kernel.h",
 )
 CFLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp")
@@ -154,10 +155,13 @@ def native_ops() -> Any:
     if "ops" not in _state:
         with _lock:
             if "ops" not in _state:
+                spin = settings.spin_setting()  # a bad value is the caller's error, not a failed build
                 try:
                     ops = _build()
                     if ops is not None:
                         ops.set_public(True)  # rsmem::qmatmul on CPU now calls the C++ kernel directly
+                        if spin is not None:
+                            ops.set_pool(spin)  # the product workers' wait (csrc/pool.h)
                     _state["ops"] = ops
                 except Exception as exc:  # no compiler, no ninja, a compile error: the reference twin
                     _state["ops"] = None

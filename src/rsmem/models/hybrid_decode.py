@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 
 from rsmem.models.compiled import GLUE_MIN_CHUNK, CompiledStep
-from rsmem.models.ops.fused import gemv, matmul_rows
+from rsmem.models.ops.fused import SmallRows, gemv, matmul_rows
 from rsmem.models.ops.hybrid_fused import ATTN_IN_BATCH, ATTN_IN_TENSORS, Block, chain
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -73,7 +73,10 @@ class Chains:
             product = matmul_rows if self.many else gemv
             fn = chain(blocks, tail, consts, product)
             batch_args = tuple(batch) if self.many else ()
-            options = {"cpp.min_chunk_size": GLUE_MIN_CHUNK} if self.many else None  # glue on one thread
+            # glue on one thread where the products are not inductor's (a hand-off to a sleeping OpenMP
+            # partner costs more than a norm saves)
+            kernel_products = self.many or any(isinstance(a, SmallRows) for a in args)
+            options = {"cpp.min_chunk_size": GLUE_MIN_CHUNK} if kernel_products else None
             found = CompiledStep(fn, batch_args=batch_args, mutated=tuple(mutated), options=options)
             self._steps[key] = found
         return found

@@ -86,6 +86,15 @@ def many_operand(held: HeldMatrices, weight_t: torch.Tensor) -> SmallRows | Rows
     return rows_operand(weight_t.t(), packed) if packed is not None else weight_t.t()
 
 
+def one_operand(held: HeldMatrices, weight_t: torch.Tensor) -> SmallRows | torch.Tensor:
+    """A held ``[in, out]`` matrix as one sequence's products (:func:`~rsmem.models.ops.fused.gemv`) take
+    it: the C++ few-row kernel's operand when the kernels are loaded (it streams the weights on rsmem's own
+    workers, whose wait spins while the core is idle: ``kernels/csrc/pool.h``), else its ``[out, in]`` rows
+    (a reduction inductor fuses)."""
+    operand = many_operand(held, weight_t)
+    return operand if isinstance(operand, SmallRows) else weight_t.t()
+
+
 def many_head(held: HeldMatrices, rows: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     """The logits of several sequences' normed ``rows`` ``[n, d_model]``: the held head (``[in, out]``)
     through :func:`many_operand` when it has a packed twin (the head is a quarter of a 130M model's

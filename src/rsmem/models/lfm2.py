@@ -36,6 +36,7 @@ from rsmem.models.hybrid_layers import (
     hold_model,
     many_head,
     many_operand,
+    one_operand,
     rope_neox,
     warm_up_decode,
 )
@@ -103,11 +104,6 @@ class Lfm2Weights:
     layers: list[Lfm2Layer]
     norm_f: torch.Tensor
     lm_head: torch.Tensor
-
-
-def out_in(weight_t: torch.Tensor) -> torch.Tensor:
-    """A held ``[in, out]`` matrix as the ``[out, in]`` rows the one-token blocks stream."""
-    return weight_t.t()
 
 
 class Lfm2Model:
@@ -252,7 +248,7 @@ class Lfm2Model:
             return None  # decoded eagerly: reading the rows again is harmless
         n_seqs = tokens.shape[0]
         many = n_seqs > 1
-        mat = partial(many_operand, self.held) if many else out_in
+        mat = partial(many_operand if many else one_operand, self.held)
         conv_block, out_block = (
             (self._conv_many, self._attn_out_many) if many else (self._conv, self._attn_out)
         )
@@ -282,7 +278,8 @@ class Lfm2Model:
             h = self._chains_many.run(x, steps, "norm", (self.norm_f,), cfg.eps, attend)
             logits = many_head(self.held, output_rows(h, ubatch.output_rows()), self.lm_head)
         else:
-            logits = self._chains.run(x, steps, "head", (self.norm_f, out_in(self.lm_head)), cfg.eps, attend)
+            head = one_operand(self.held, self.lm_head)
+            logits = self._chains.run(x, steps, "head", (self.norm_f, head), cfg.eps, attend)
             logits = logits[: len(ubatch.output_rows())]
         for il, window in windows.items():
             states.write_states(il, window, rows[il][1])

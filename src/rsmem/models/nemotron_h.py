@@ -33,6 +33,7 @@ from rsmem.models.hybrid_layers import (
     hold_model,
     many_head,
     many_operand,
+    one_operand,
     warm_up_decode,
 )
 from rsmem.models.ops.common import output_rows
@@ -283,7 +284,7 @@ class NemotronHModel:
             for il, (r, s) in rows.items()
         }
         many = n_seqs > 1
-        mat = partial(many_operand, self.held) if many else out_in
+        mat = partial(many_operand if many else one_operand, self.held)
         if many:
             mamba, mlp, attn_out = self._mamba_many, self._mlp_many, self._attn_out_many
         else:
@@ -315,13 +316,9 @@ class NemotronHModel:
             h = self._chains_many.run(x, steps, "norm", (self.norm_f,), cfg.eps, attend)
             logits = many_head(self.held, output_rows(h, ubatch.output_rows()), self.lm_head)
         else:
-            logits = self._chains.run(x, steps, "head", (self.norm_f, out_in(self.lm_head)), cfg.eps, attend)
+            head = one_operand(self.held, self.lm_head)
+            logits = self._chains.run(x, steps, "head", (self.norm_f, head), cfg.eps, attend)
             logits = logits[: len(ubatch.output_rows())]
         for il, (window, h_rows) in views.items():
             states.write_states(il, window, h_rows)
         return logits
-
-
-def out_in(weight_t: torch.Tensor) -> torch.Tensor:
-    """A held ``[in, out]`` matrix as the ``[out, in]`` rows the one-token blocks stream."""
-    return weight_t.t()

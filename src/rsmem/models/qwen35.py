@@ -46,6 +46,7 @@ from rsmem.models.hybrid_layers import (
     hold_model,
     many_head,
     many_operand,
+    one_operand,
     rope_tables,
     warm_up_decode,
 )
@@ -359,7 +360,7 @@ class Qwen35Model:
             return None  # decoded eagerly: reading the rows again is harmless
         n_seqs = tokens.shape[0]
         many = n_seqs > 1
-        mat = partial(many_operand, self.held) if many else Qwen35Model._out_in
+        mat = partial(many_operand if many else one_operand, self.held)
         cos, sin = rope_tables(torch.tensor(ubatch.pos, dtype=torch.long), cfg.rope_base, cfg.n_rot)
         layers: list[tuple[object, ...] | AttnIn] = []
         for il, ly in enumerate(self.layers):
@@ -388,14 +389,10 @@ class Qwen35Model:
             h = self._chains_many.run(x, layers, "norm", (self.norm_f,), attend)
             logits = many_head(self.held, output_rows(h, ubatch.output_rows()), self.lm_head)
         else:
-            logits = self._chains.run(x, layers, "head", (self.norm_f, self._out_in(self.lm_head)), attend)
+            head = one_operand(self.held, self.lm_head)
+            logits = self._chains.run(x, layers, "head", (self.norm_f, head), attend)
             logits = logits[: len(ubatch.output_rows())]
         for il, (r, s) in rows.items():
             states.write_states(il, r.view(n_seqs, cfg.conv_dim, cfg.d_conv - 1),
                                 s.view(n_seqs, cfg.n_v_heads, cfg.dv, cfg.dk))  # fmt: skip
         return logits
-
-    @staticmethod
-    def _out_in(weight_t: torch.Tensor) -> torch.Tensor:
-        """A held ``[in, out]`` matrix as the ``[out, in]`` rows the one-sequence chains stream."""
-        return weight_t.t()

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "blocks.h"
+#include "pool.h"
 
 namespace rsmem {
 
@@ -117,7 +118,7 @@ void matmul_registers_nr(const float* x, const uint8_t* w, float* y, int64_t M, 
   const int64_t groups = (N + NR - 1) / NR;
   // at least ~64 KB of weights per task, so small matrices are not split into tiny pieces
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, ldw * NR));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  pool::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * NR;
       if (n0 + NR <= N) {

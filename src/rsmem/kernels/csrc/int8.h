@@ -13,6 +13,7 @@
 #pragma once
 
 #include "blocks.h"
+#include "pool.h"
 
 #if defined(RSMEM_AVX512) && defined(__AVX512VNNI__)
 #define RSMEM_INT8 1
@@ -43,7 +44,7 @@ struct alignas(64) ABlock {
 // 127, q = round(x / d), rounding to nearest even).
 inline void quantize_rows(const float* x, int64_t M, int64_t K, ABlock* out) {
   const int64_t nb = K / 256;
-  at::parallel_for(0, M * nb, 64, [&](int64_t b0, int64_t b1) {
+  pool::parallel_for(0, M * nb, 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* xb = x + b * 256;  // rows are contiguous: block b of the whole [M, K] array
       ABlock& o = out[b];
@@ -79,7 +80,7 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, ABlock* out) {
 // Quantize M rows of K float32 activations per 32 values (d32 = amax / 127 each) to q, qu and d32.
 inline void quantize_rows_per32(const float* x, int64_t M, int64_t K, ABlock* out, bool q4_order) {
   const int64_t nb = K / 256;
-  at::parallel_for(0, M * nb, 64, [&](int64_t b0, int64_t b1) {
+  pool::parallel_for(0, M * nb, 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       ABlock& o = out[b];
       for (int j = 0; j < 8; ++j) {
@@ -324,7 +325,7 @@ void matmul_nr(const ABlock* a, const uint8_t* w, float* y, int64_t M, int64_t N
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, work));
   // stream the weights ahead (6 groups: Q8_0 [50288, 768] M=1 4.1 -> 3.1 ms at 2; 12 no better)
   const int64_t pf = M <= 8 ? 6 * NR : 0;
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  pool::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * NR;
       if (n0 + NR <= N) {

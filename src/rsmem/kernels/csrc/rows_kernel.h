@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "pool.h"
+
 namespace rsmem {
 namespace rows {
 
@@ -231,7 +233,7 @@ void product(const float* x, int64_t ldx, const typename W::T* w, int64_t ldw, i
              float* y) {
   const int64_t grain =
       std::max<int64_t>(16, kMinBytesPerThread / (static_cast<int64_t>(sizeof(typename W::T)) * K));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  pool::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     // one group of rows streams the whole range; more groups take it a tile at a time, the tile's weight
     // rows read from memory by the first group and from cache by the others
     const int64_t tile = M <= kMaxRows ? n1 - n0 : kTile;

@@ -38,9 +38,12 @@ from rsmem.models.ops.quantized import Matrix, QuantMatrix
 def gemv(x: torch.Tensor, weight: Matrix) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` ``[Bs, in]`` and ``weight`` ``[out, in]`` as a fused reduction (meant for
     ``Bs`` = 1: eagerly it materialises ``[Bs, out, in]``). A bf16 ``weight`` is promoted per element; a
-    :class:`~rsmem.models.ops.quantized.QuantMatrix` goes to its kernel (an op inductor calls as it is)."""
+    :class:`~rsmem.models.ops.quantized.QuantMatrix` goes to its kernel (an op inductor calls as it is), a
+    :class:`SmallRows` to the C++ few-row kernel (:func:`matmul_rows`)."""
     if isinstance(weight, QuantMatrix):
         return weight.matmul_t(x)
+    if isinstance(weight, SmallRows):
+        return matmul_rows(x, weight)
     return (weight * x.unsqueeze(-2)).sum(-1)
 
 
