@@ -64,6 +64,23 @@ def waits_passively() -> bool:
     return _PASSIVE
 
 
+def product_workers() -> str:
+    """How this process threads its decode products (``kernels/csrc/pool.h``): rsmem's workers and their
+    wait (``RSMEM_SPIN_US``), torch's OpenMP threads, or the reference twins when the kernels are not loaded
+    (this never builds them)."""
+    from rsmem.kernels.build import loaded_native_ops
+
+    ops = loaded_native_ops()
+    if ops is None:
+        return "torch's (the C++ kernels are not loaded)"
+    spin = int(ops.pool_stats()[0])
+    if spin < 0:
+        return "torch's OpenMP threads (RSMEM_SPIN_US < 0)"
+    if spin == 0:
+        return "rsmem's workers, sleeping at once (RSMEM_SPIN_US=0)"
+    return f"rsmem's workers, spinning up to {spin} us while the core is idle (RSMEM_SPIN_US)"
+
+
 def all_cores() -> int:
     """torch's own thread count as it was before rsmem changed it (its default: the physical cores)."""
     global _all_cores

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from rsmem import settings
+from rsmem import settings, threads
 from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
 
@@ -133,3 +133,13 @@ def test_spin_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RSMEM_SPIN_US", "fast")
     with pytest.raises(ValueError, match="RSMEM_SPIN_US must be a whole number of microseconds, got 'fast'"):
         settings.spin_setting()
+
+
+def test_product_workers_says_the_policy(ops) -> None:
+    ops.set_pool(150)
+    spinning = "rsmem's workers, spinning up to 150 us while the core is idle (RSMEM_SPIN_US)"
+    assert threads.product_workers() == spinning
+    ops.set_pool(0)
+    assert threads.product_workers() == "rsmem's workers, sleeping at once (RSMEM_SPIN_US=0)"
+    ops.set_pool(-1)
+    assert threads.product_workers() == "torch's OpenMP threads (RSMEM_SPIN_US < 0)"

@@ -10,11 +10,19 @@ import torch
 
 import rsmem
 from rsmem.models import compiled
-from rsmem.models.compiled import AUTO_MIN_WEIGHTS, GLUE_MIN_CHUNK, CompiledStep, resolve_compile
+from rsmem.models.compiled import (
+    AUTO_MIN_WEIGHTS,
+    GLUE_MIN_CHUNK,
+    ONE_THREAD_GLUE,
+    CompiledStep,
+    resolve_compile,
+)
 from rsmem.models.mamba import MambaConfig
 from rsmem.models.mamba2 import Mamba2Config
 from rsmem.models.ops import fused
+from rsmem.models.ops.fused import SmallRows
 from rsmem.models.ops.packed import packing_enabled
+from rsmem.models.ops.small_rows import kernel_ops
 from rsmem.models.random_init import random_mamba, random_mamba2
 
 CPU = torch.device("cpu")
@@ -199,13 +207,18 @@ def test_no_recompiles_after_warm_up(arch: str) -> None:
 @needs_cxx
 @pytest.mark.parametrize(("arch", "threshold"), [("mamba2", GLUE_MIN_CHUNK), ("mamba", None)])
 def test_mamba2_steps_keep_their_glue_on_one_thread(arch: str, threshold: int | None) -> None:
-    """Mamba-2 steps compile with the hybrids' glue threshold: small elementwise kernels run where they
-    are instead of handing a few thousand elements to another thread (on a shared machine that thread
-    waits for a core). Mamba keeps inductor's default (its batched scan kernels were slower on one)."""
+    """Mamba-2's batched step compiles with the hybrids' glue threshold: small elementwise kernels run
+    where they are instead of handing a few thousand elements to another thread (on a shared machine that
+    thread waits for a core). Mamba keeps inductor's default (its batched scan kernels were slower on one).
+    The one-sequence step of either streams its products through the few-row kernel (rsmem's workers) and
+    keeps every inductor kernel on the calling thread."""
     model = _model(arch)
     model.set_compile(True)
-    steps = [model._token_step_one, model._token_step_many]
-    assert [s.options.get("cpp.min_chunk_size") for s in steps] == [threshold, threshold]
+    assert model._token_step_many.options.get("cpp.min_chunk_size") == threshold
+    head = model._step_args[0][1]
+    assert isinstance(head, SmallRows) == (kernel_ops() is not None)
+    one = ONE_THREAD_GLUE["cpp.min_chunk_size"] if isinstance(head, SmallRows) else threshold
+    assert model._token_step_one.options.get("cpp.min_chunk_size") == one
 
 
 def test_bf16_single_sequence_stays_eager() -> None:

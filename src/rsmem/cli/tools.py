@@ -122,6 +122,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"threads:         {threads.choose_threads(model)} (RSMEM_THREADS / -t, else by the model), "
         f"OpenMP wait policy: {threads.wait_policy()}"
     )
+    print(f"products:        {threads.product_workers()}")
     print(f"malloc:          {MALLOC_WORDS[malloc.policy() or 'off']} (RSMEM_MALLOC; rsmem.malloc)")
     if tokenizer is not None:
         print(

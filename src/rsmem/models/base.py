@@ -16,13 +16,13 @@ import torch
 
 from rsmem.batch.batch import Batch, UBatch
 from rsmem.hugepages import huge_page_copies
-from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
+from rsmem.models.compiled import ONE_THREAD_GLUE, CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import CapturePoints, output_rows
 from rsmem.models.ops.fused import RowsOperand, token_step, token_step_many
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.ops.quantized import Matrix, QuantMatrix, as_float32, embed, out_in, same_storage
-from rsmem.models.ops.small_rows import rows_operand
+from rsmem.models.ops.small_rows import SmallRows, rows_operand
 from rsmem.models.protocol import StateAccess
 
 if TYPE_CHECKING:
@@ -129,8 +129,13 @@ class MambaFamilyModel:
                 return i >= 4 and (i - 4) % n_fields >= n_fields - 2  # ending with window and h
 
             glue = {"cpp.min_chunk_size": self.glue_min_chunk} if self.glue_min_chunk else None
+            # one sequence: the few-row kernel's products where the kernels are loaded, and then every
+            # inductor kernel on the calling thread (ONE_THREAD_GLUE)
+            kernel_products = isinstance(self.one_operand(self.lm_head), SmallRows)
             self._token_step_one = CompiledStep(
-                token_step(layer_fn, n_fields, consts), mutated=mutated, options=glue
+                token_step(layer_fn, n_fields, consts),
+                mutated=mutated,
+                options=ONE_THREAD_GLUE if kernel_products else glue,
             )
             states = [
                 4 + il * n_fields + k for il in range(self.n_layer) for k in (n_fields - 2, n_fields - 1)
@@ -143,11 +148,11 @@ class MambaFamilyModel:
             )
             self.make_compiled_steps()
             # what the steps take besides x and the states: (step, head, each layer's weights), for one
-            # sequence (matrices [out, in]) and for several (matrices as rows_operand gives them)
+            # sequence (as one_operand gives them) and for several (as rows_operand gives them)
             self._step_args = [
                 (step, operand(self.lm_head), [self.layer_args(ly, operand) for ly in self.layers])
                 for step, operand in (
-                    (self._token_step_one, out_in),
+                    (self._token_step_one, self.one_operand),
                     (self._token_step_many, self.rows_operand),
                 )
             ]
@@ -198,6 +203,14 @@ class MambaFamilyModel:
         if packed is None or not isinstance(weight_t, torch.Tensor):
             return out_in(weight_t)
         return rows_operand(weight_t.t(), packed)
+
+    def one_operand(self, weight_t: Matrix) -> Matrix | SmallRows:
+        """A matrix ``[in, out]`` of this model as the one-sequence step's products
+        (:func:`~rsmem.models.ops.fused.gemv`) take it: the C++ few-row kernel's operand when the kernels are
+        loaded (on rsmem's own workers, ``kernels/csrc/pool.h``), else ``[out, in]`` (a reduction inductor
+        fuses, or a quantized matrix's kernel)."""
+        operand = self.rows_operand(weight_t)
+        return operand if isinstance(operand, SmallRows) else out_in(weight_t)
 
     def is_recurrent_layer(self, il: int) -> bool:
         return True
