@@ -23,6 +23,10 @@ process-wide (``torch.set_num_threads``): the last model loaded sets it. Choosin
 (``set_num_threads`` around small batches) would be cheap -- 0.1-0.2 us a call, and alternating 1 and 2
 threads around a small product cost nothing measurable with sleeping threads -- but it belongs in the
 models' step code, and with sleeping threads no row measured here would have chosen one thread.
+
+**The decode products** do not use torch's threads: rsmem's own workers (``kernels/csrc/pool.h``) share
+them, waiting between products in a spin that yields the core to any other thread and is skipped after the
+process was preempted (``RSMEM_SPIN_US``; :func:`product_workers` says which policy is in force).
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ class MambaFamilyModel:
             self._token_step_one = CompiledStep(
                 token_step(layer_fn, n_fields, consts),
                 mutated=mutated,
-                options=ONE_THREAD_GLUE if kernel_products else glue,
+                options=dict(ONE_THREAD_GLUE) if kernel_products else glue,
             )
             states = [
                 4 + il * n_fields + k for il in range(self.n_layer) for k in (n_fields - 2, n_fields - 1)

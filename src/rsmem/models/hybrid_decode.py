@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import torch
 
-from rsmem.models.compiled import GLUE_MIN_CHUNK, CompiledStep
+from rsmem.models.compiled import GLUE_MIN_CHUNK, ONE_THREAD_GLUE, CompiledStep
 from rsmem.models.ops.fused import SmallRows, gemv, matmul_rows
 from rsmem.models.ops.hybrid_fused import ATTN_IN_BATCH, ATTN_IN_TENSORS, Block, chain
 
@@ -74,9 +74,14 @@ class Chains:
             fn = chain(blocks, tail, consts, product)
             batch_args = tuple(batch) if self.many else ()
             # glue on one thread where the products are not inductor's (a hand-off to a sleeping OpenMP
-            # partner costs more than a norm saves)
-            kernel_products = self.many or any(isinstance(a, SmallRows) for a in args)
-            options = {"cpp.min_chunk_size": GLUE_MIN_CHUNK} if kernel_products else None
+            # partner costs more than a norm saves); one sequence's chains with the few-row kernel's
+            # products keep every inductor kernel there (Nemotron-H's Mamba-2 state update too)
+            if self.many:
+                options: dict[str, Any] | None = {"cpp.min_chunk_size": GLUE_MIN_CHUNK}
+            elif any(isinstance(a, SmallRows) for a in args):
+                options = dict(ONE_THREAD_GLUE)
+            else:
+                options = None
             found = CompiledStep(fn, batch_args=batch_args, mutated=tuple(mutated), options=options)
             self._steps[key] = found
         return found
