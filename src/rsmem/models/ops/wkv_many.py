@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rsmem.models.compiled import ONE_THREAD_GLUE
 from rsmem.models.ops.fused import matmul_rows
 from rsmem.models.ops.wkv_fused import DECAY_SCALE, GROUP_NORM_EPS, N6_PER_LAYER, N_PER_LAYER
 from rsmem.models.ops.wkv_lowrank import lowrank, matmul_one_thread
@@ -38,7 +39,7 @@ from rsmem.models.ops.wkv_lowrank import lowrank, matmul_one_thread
 # sequences on two) took RWKV-7 130M from 876 to 562 voluntary context switches a step at 8 sequences, 945 to
 # 632 at 64 (2 threads); 2^24 with the one-thread low-rank products, 64 sequences, load 5-7: 630 -> 148
 # (RWKV-6: 196), thread CPU unchanged (~215 ms a step; the state updates ~12 ms more on the calling thread).
-MANY_OPTIONS = {"cpp.min_chunk_size": 1 << 24}
+MANY_OPTIONS = ONE_THREAD_GLUE  # the one setting for "every inductor kernel on the calling thread"
 
 
 def _rwkv7_wkv_many(
