@@ -122,21 +122,18 @@ def conv_step_(
 
 
 def mamba_ssm_step_(
-    dbc: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
     xc: torch.Tensor,
     z: torch.Tensor,
-    dt_proj: torch.Tensor,
-    dt_bias: torch.Tensor,
     A: torch.Tensor,
     D: torch.Tensor,
     h: torch.Tensor,
-    dt_rank: int,
-    d_state: int,
 ) -> torch.Tensor:
-    """Mamba's selective state update for one token, gated: ``dbc`` ``[Bs, R + 2N]`` (``x_proj``'s
-    output), ``xc`` and ``z`` ``[Bs, D]``, ``h`` ``[Bs, D, N]`` updated in place; returns ``y * silu(z)``."""
-    dt_low, B, C = dbc.split([dt_rank, d_state, d_state], dim=-1)
-    dt = F.softplus(dt_low @ dt_proj.t() + dt_bias)  # [Bs, D]
+    """Mamba's selective state update for one token, gated: ``dt`` (after its softplus), ``xc`` and ``z``
+    ``[Bs, D]``, ``B`` and ``C`` ``[Bs, N]``, ``h`` ``[Bs, D, N]`` updated in place; returns
+    ``y * silu(z)``."""
     dA = torch.exp(dt.unsqueeze(-1) * A)  # [Bs, D, N]
     dtx = dt * xc
     y = (h * dA * C.unsqueeze(1)).sum(-1) + dtx * (B * C).sum(-1, keepdim=True) + D * xc
@@ -163,13 +160,16 @@ def mamba_layer_(
     dt_rank: int,
     d_state: int,
 ) -> torch.Tensor:
-    """A whole Mamba block for one token of each sequence, its three products through ``product``
+    """A whole Mamba block for one token of each sequence, its four products through ``product``
     (:func:`gemv` or :func:`matmul_rows`); returns the new ``x``."""
     d_inner = conv_weight.shape[0]
     xz = product(rms_norm(x, norm, eps), in_proj)
     xc = conv_step_(xz[:, :d_inner], window, conv_weight, conv_bias)
-    dbc = product(xc, x_proj)
-    y = mamba_ssm_step_(dbc, xc, xz[:, d_inner:], dt_proj, dt_bias, A, D, h, dt_rank, d_state)
+    dt_low, B, C = product(xc, x_proj).split([dt_rank, d_state, d_state], dim=-1)
+    # dt_proj [D, R] through ``product`` too: for one sequence a reduction on the calling thread (an
+    # extern GEMM here woke torch's sleeping OpenMP threads, ~0.14 ms a layer)
+    dt = F.softplus(product(dt_low, dt_proj) + dt_bias)
+    y = mamba_ssm_step_(dt, B, C, xc, xz[:, d_inner:], A, D, h)
     return x + product(y, out_proj)
 
 
