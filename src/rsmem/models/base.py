@@ -21,8 +21,8 @@ from rsmem.models.ops.common import CapturePoints, output_rows
 from rsmem.models.ops.fused import RowsOperand, token_step, token_step_many
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
-from rsmem.models.ops.quantized import Matrix, QuantMatrix, as_float32, embed, out_in, same_storage
-from rsmem.models.ops.small_rows import SmallRows, rows_operand
+from rsmem.models.ops.quantized import Matrix, QuantMatrix, as_float32, embed, same_storage
+from rsmem.models.ops.small_rows import SmallRows, many_operand, one_operand
 from rsmem.models.protocol import StateAccess
 
 if TYPE_CHECKING:
@@ -195,22 +195,14 @@ class MambaFamilyModel:
         raise NotImplementedError
 
     def rows_operand(self, weight_t: Matrix) -> RowsOperand:
-        """A matrix ``[in, out]`` of this model as :func:`~rsmem.models.ops.fused.matmul_rows` takes it for
-        several rows: with its oneDNN packed twin when it has one
-        (:func:`~rsmem.models.ops.small_rows.rows_operand`: the C++ few-row kernel up to 16 rows when the
-        kernels are loaded, the twin beyond), else ``[out, in]``."""
-        packed = self.packed.twin(weight_t)
-        if packed is None or not isinstance(weight_t, torch.Tensor):
-            return out_in(weight_t)
-        return rows_operand(weight_t.t(), packed)
+        """A matrix ``[in, out]`` of this model as several sequences' step takes it
+        (:func:`~rsmem.models.ops.small_rows.many_operand`)."""
+        return many_operand(weight_t, self.packed.twin(weight_t))
 
     def one_operand(self, weight_t: Matrix) -> Matrix | SmallRows:
-        """A matrix ``[in, out]`` of this model as the one-sequence step's products
-        (:func:`~rsmem.models.ops.fused.gemv`) take it: the C++ few-row kernel's operand when the kernels are
-        loaded (on rsmem's own workers, ``kernels/csrc/pool.h``), else ``[out, in]`` (a reduction inductor
-        fuses, or a quantized matrix's kernel)."""
-        operand = self.rows_operand(weight_t)
-        return operand if isinstance(operand, SmallRows) else out_in(weight_t)
+        """A matrix ``[in, out]`` of this model as the one-sequence step takes it
+        (:func:`~rsmem.models.ops.small_rows.one_operand`)."""
+        return one_operand(weight_t, self.packed.twin(weight_t))
 
     def is_recurrent_layer(self, il: int) -> bool:
         return True

@@ -19,10 +19,11 @@ import torch
 
 from rsmem.batch.batch import UBatch
 from rsmem.hugepages import huge_page_copies
+from rsmem.models.ops import small_rows
 from rsmem.models.ops.fused import RowsOperand, matmul_rows
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import HeldMatrices
-from rsmem.models.ops.small_rows import SmallRows, rows_operand
+from rsmem.models.ops.small_rows import SmallRows
 from rsmem.models.protocol import StateAccess
 
 __all__ = [
@@ -77,22 +78,16 @@ def hold_model(
     return embedding, head, [[next(rest) for _ in ms] for ms in per_layer]
 
 
-def many_operand(held: HeldMatrices, weight_t: torch.Tensor) -> SmallRows | RowsOperand:
-    """A held ``[in, out]`` matrix as several sequences' products
-    (:func:`~rsmem.models.ops.fused.matmul_rows`) take it: with its oneDNN packed twin
-    (:func:`~rsmem.models.ops.small_rows.rows_operand`: the C++ few-row kernel up to 16 rows when the kernels
-    are loaded, the twin beyond), else its ``[out, in]`` rows."""
-    packed = held.packed.twin(weight_t)
-    return rows_operand(weight_t.t(), packed) if packed is not None else weight_t.t()
+def many_operand(held: HeldMatrices, weight_t: torch.Tensor) -> RowsOperand:
+    """A held ``[in, out]`` matrix as several sequences' products take it
+    (:func:`~rsmem.models.ops.small_rows.many_operand`)."""
+    return small_rows.many_operand(weight_t, held.packed.twin(weight_t))
 
 
 def one_operand(held: HeldMatrices, weight_t: torch.Tensor) -> SmallRows | torch.Tensor:
-    """A held ``[in, out]`` matrix as one sequence's products (:func:`~rsmem.models.ops.fused.gemv`) take
-    it: the C++ few-row kernel's operand when the kernels are loaded (it streams the weights on rsmem's own
-    workers, whose wait spins while the core is idle: ``kernels/csrc/pool.h``), else its ``[out, in]`` rows
-    (a reduction inductor fuses)."""
-    operand = many_operand(held, weight_t)
-    return operand if isinstance(operand, SmallRows) else weight_t.t()
+    """A held ``[in, out]`` matrix as one sequence's products take it
+    (:func:`~rsmem.models.ops.small_rows.one_operand`)."""
+    return small_rows.one_operand(weight_t, held.packed.twin(weight_t))  # type: ignore[return-value]
 
 
 def many_head(held: HeldMatrices, rows: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:

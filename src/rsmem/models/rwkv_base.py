@@ -24,7 +24,7 @@ from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.fused import RowsOperand
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import HeldMatrices
-from rsmem.models.ops.small_rows import SmallRows, rows_operand
+from rsmem.models.ops.small_rows import SmallRows, many_operand, one_operand
 from rsmem.models.ops.wkv_many import MANY_OPTIONS
 from rsmem.models.protocol import StateAccess
 
@@ -168,19 +168,15 @@ class RwkvModelBase:
             self._steps_made = True
         return self.compile_decode
 
-    def rows_operand(self, weight_t: torch.Tensor) -> RowsOperand | SmallRows:
-        """A held ``[in, out]`` matrix as :func:`~rsmem.models.ops.fused.matmul_rows` takes it for
-        several rows: with its oneDNN packed twin (:func:`~rsmem.models.ops.small_rows.rows_operand`: the
-        few-row kernel too when the C++ kernels are built), else the ``[out, in]`` view."""
-        packed = self.held.packed.twin(weight_t)
-        return rows_operand(weight_t.t(), packed) if packed is not None else weight_t.t()
+    def rows_operand(self, weight_t: torch.Tensor) -> RowsOperand:
+        """A held ``[in, out]`` matrix as several sequences' step takes it
+        (:func:`~rsmem.models.ops.small_rows.many_operand`)."""
+        return many_operand(weight_t, self.held.packed.twin(weight_t))
 
     def one_operand(self, weight_t: torch.Tensor) -> torch.Tensor | SmallRows:
-        """A held ``[in, out]`` matrix as the one-sequence step takes it: a :class:`SmallRows` (the C++
-        few-row kernel, :func:`~rsmem.models.ops.wkv_fused.one_row`) when the kernels are loaded, else the
-        ``[out, in]`` view (a reduction inductor fuses)."""
-        operand = self.rows_operand(weight_t)
-        return operand if isinstance(operand, SmallRows) else weight_t.t()
+        """A held ``[in, out]`` matrix as the one-sequence step takes it
+        (:func:`~rsmem.models.ops.small_rows.one_operand`; :func:`~rsmem.models.ops.wkv_fused.one_row`)."""
+        return one_operand(weight_t, self.held.packed.twin(weight_t))  # type: ignore[return-value]
 
     def one_options(self) -> dict[str, Any] | None:
         """Inductor options of the one-sequence step: with the big products in the few-row kernel (each

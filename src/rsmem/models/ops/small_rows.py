@@ -14,6 +14,8 @@ op (a compiled step with a dynamic batch needs no guard on it).
 - :func:`rows_operand`: how a batched step takes a float32 matrix with a packed twin: a
   :class:`~rsmem.models.ops.fused.SmallRows`
   when the kernels are loaded, else :class:`~rsmem.models.ops.fused.Packed` (oneDNN for every row count).
+- :func:`many_operand` and :func:`one_operand`: a model's held ``[in, out]`` matrix as its steps for several
+  sequences and for one take it (the one rule every model follows).
 - :func:`~rsmem.models.ops.fused.matmul_rows` multiplies by either (it dispatches :class:`SmallRows`).
 """
 
@@ -25,7 +27,8 @@ from typing import Any
 import torch
 
 from rsmem.kernels.build import native_ops
-from rsmem.models.ops.fused import Packed, SmallRows
+from rsmem.models.ops.fused import Packed, RowsOperand, SmallRows
+from rsmem.models.ops.quantized import Matrix, out_in
 
 # Rows up to which the kernel runs (more go to oneDNN's packed product): at 16 rows the two are about even.
 MAX_ROWS = 16
@@ -73,3 +76,22 @@ def rows_operand(plain: torch.Tensor, packed: torch.Tensor) -> SmallRows | Packe
     if plain.dtype == torch.float32 and plain.stride(-1) == 1 and kernel_ops() is not None:
         return SmallRows(plain, packed, MAX_ROWS)
     return Packed(packed)
+
+
+def many_operand(weight_t: Matrix, packed: torch.Tensor | None) -> RowsOperand:
+    """A held ``[in, out]`` matrix as several sequences' products
+    (:func:`~rsmem.models.ops.fused.matmul_rows`) take it: with its oneDNN ``packed`` twin
+    (:func:`rows_operand`: the few-row kernel up to :data:`MAX_ROWS` rows when the kernels are loaded, the
+    twin beyond), else ``[out, in]`` (a quantized matrix as it is)."""
+    if packed is None or not isinstance(weight_t, torch.Tensor):
+        return out_in(weight_t)
+    return rows_operand(weight_t.t(), packed)
+
+
+def one_operand(weight_t: Matrix, packed: torch.Tensor | None) -> Matrix | SmallRows:
+    """A held ``[in, out]`` matrix as one sequence's products (:func:`~rsmem.models.ops.fused.gemv`) take
+    it: the few-row kernel's operand when the kernels are loaded (it streams the weights on rsmem's own
+    workers, whose wait spins while the core is idle: ``kernels/csrc/pool.h``), else ``[out, in]`` (a
+    reduction inductor fuses, or a quantized matrix's kernel)."""
+    operand = many_operand(weight_t, packed)
+    return operand if isinstance(operand, SmallRows) else out_in(weight_t)
