@@ -69,7 +69,6 @@ struct Pool {
 
 std::atomic<int64_t> g_spin_us{200};  // set_pool; < 0: off
 std::atomic<Pool*> g_pool{nullptr};
-std::mutex g_create;
 thread_local bool t_in_job = false;
 
 inline void relax() {
@@ -165,14 +164,15 @@ void worker_main(Pool* p, int index) {
   }
 }
 
+// The pool of this process, made at its first use, or anew in a child after fork() (the parent's workers
+// do not exist there; its pool is left). Installed by compare-and-swap, no lock: a lock held by another
+// thread at the moment of a fork() would stay locked in the child forever.
 Pool& current() {
   Pool* p = g_pool.load(std::memory_order_acquire);
-  if (p != nullptr && p->pid == getpid()) return *p;
-  std::lock_guard<std::mutex> lk(g_create);
-  p = g_pool.load(std::memory_order_acquire);
-  if (p == nullptr || p->pid != getpid()) {  // first use, or a child after fork: the old one is left
-    p = new Pool();
-    g_pool.store(p, std::memory_order_release);
+  while (p == nullptr || p->pid != getpid()) {
+    Pool* fresh = new Pool();
+    if (g_pool.compare_exchange_strong(p, fresh, std::memory_order_acq_rel)) return *fresh;
+    delete fresh;  // another thread installed one first: p is that one now
   }
   return *p;
 }
