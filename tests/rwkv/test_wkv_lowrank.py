@@ -1,5 +1,7 @@
 """ops.wkv_lowrank: the one-thread product of RWKV's batched decode steps against its reference twin
-``a @ b``, eagerly and compiled with a dynamic batch, and the thread count it runs under and restores."""
+``a @ b``, eagerly and compiled with a dynamic batch, and the thread count it runs under and restores; the
+one-thread unit lower-triangular inverse of RWKV-7's chunked prefill against ``solve_triangular`` and the
+defining identity."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 
 from rsmem.models.compiled import has_cxx_compiler
 from rsmem.models.ops import wkv_lowrank
-from rsmem.models.ops.wkv_lowrank import lowrank, matmul_one_thread
+from rsmem.models.ops.wkv_lowrank import lowrank, matmul_one_thread, unit_lower_inverse_one_thread
 
 
 @pytest.fixture
@@ -73,4 +75,28 @@ def test_compiled_with_a_dynamic_batch(two_threads: None) -> None:
     for n in (2, 5, 64):
         x = torch.randn(n, 96, generator=g)
         torch.testing.assert_close(compiled(x, w0, w1, w2), reference(x, w0, w1, w2), rtol=1e-5, atol=1e-5)
+    assert torch.get_num_threads() == 2
+
+
+def test_unit_lower_inverse_is_the_inverse_on_one_thread(two_threads: None, monkeypatch: Any) -> None:
+    """``(I - a)^-1`` for a batch of strictly lower ``a``: times ``I - a`` it gives the identity, it equals
+    the two-thread ``solve_triangular`` (its twin), it runs on one thread and restores the count."""
+    g = torch.Generator().manual_seed(2)
+    a = (torch.randn(48, 32, 32, generator=g) * 0.3).tril(-1)
+    eye = torch.eye(32)
+    seen: list[int] = []
+    solve = torch.linalg.solve_triangular
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(wkv_lowrank.torch.linalg, "solve_triangular", spy)
+    inv = unit_lower_inverse_one_thread(a)
+    monkeypatch.undo()
+    torch.testing.assert_close((eye - a) @ inv, eye.expand_as(a), rtol=0, atol=1e-4)
+    twin = torch.linalg.solve_triangular(eye - a, eye.expand_as(a), upper=False, unitriangular=True)
+    torch.testing.assert_close(inv, twin, rtol=1e-6, atol=1e-6)
+    assert torch.tril(inv, -1).abs().sum() > 0 and torch.equal(torch.triu(inv, 1), torch.zeros_like(inv))
+    assert seen == [1]
     assert torch.get_num_threads() == 2

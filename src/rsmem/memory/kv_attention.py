@@ -13,8 +13,6 @@ sequence holds, not of all the sequences' cells.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +21,7 @@ import torch.nn.functional as F
 from rsmem.batch.batch import UBatch
 from rsmem.memory.context import MemoryStatus
 from rsmem.memory.kv_cells import SlotInfo, visible
+from rsmem.threads import one_thread_below
 
 if TYPE_CHECKING:
     from rsmem.memory.kv_cache import KVCache
@@ -263,21 +262,6 @@ def grouped_attention(
 # short contexts (one token over 20 cells, 4 KV heads of 64: 5,120) hands its small products to the other
 # thread for nothing (0.5 ms a product on the loaded machine, where the other thread waits for a core)
 ONE_THREAD_KV = 1 << 16
-
-
-@contextmanager
-def one_thread_below(work: int, limit: int) -> Iterator[None]:
-    """torch's intra-op threads set to one while the block runs when ``work < limit`` (a process-wide
-    setting, restored after; 0.1-0.2 us a call)."""
-    threads = torch.get_num_threads()
-    if work >= limit or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 Gathered = tuple[torch.Tensor, torch.Tensor]  # flat K/V row of each token's visible cells, and validity
