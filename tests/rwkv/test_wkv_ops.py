@@ -78,6 +78,22 @@ def test_wkv6_chunked_matches_token_loop(length: int, chunk: int) -> None:
     assert (s_chunk - s_ref).abs().max() <= 1e-5 * s_ref.abs().max()
 
 
+@pytest.mark.parametrize("group", [1, 2, 5])
+def test_wkv6_chunked_in_groups_of_chunks(monkeypatch: pytest.MonkeyPatch, group: int) -> None:
+    """The chunks' initial states kept a few chunks at a time (``STATES_BYTES``): the same outputs and final
+    state as the token loop, over 13 chunks in groups that do not divide them."""
+    from rsmem.models.ops import wkv6
+
+    monkeypatch.setattr(wkv6, "STATES_BYTES", group * 2 * 3 * 64 * 64 * 4)  # group chunks of the state
+    r, log_w, k, v, u = inputs6(2, 100, 3, 64, seed=11)
+    s0 = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(6))
+    s_ref, s_chunk = s0.double(), s0.clone()
+    y_ref = wkv6_ref_(s_ref, r.double(), log_w.double(), k.double(), v.double(), u.double())
+    y = wkv6_chunked_(s_chunk, r, log_w, k, v, u, chunk_size=8)
+    assert (y - y_ref).abs().max() <= 1e-4 * y_ref.abs().max()
+    assert (s_chunk - s_ref).abs().max() <= 1e-5 * s_ref.abs().max()
+
+
 def test_wkv6_step_is_one_token_of_the_recurrence() -> None:
     r, log_w, k, v, u = inputs6(4, 1, 2, 64, seed=7)
     s0 = torch.randn(4, 2, 64, 64)

@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from rsmem.models.ops.wkv import chunked_layout
+from rsmem.models.ops.wkv import ONE_THREAD_CHUNK_WORK, chunked_layout
+from rsmem.threads import one_thread_below
 
 
 def wkv6_step_(
@@ -76,6 +77,10 @@ def wkv6_intra(
 
 
 Intra = Callable[..., tuple[torch.Tensor, ...]]
+# bytes of chunk-initial states :func:`wkv6_chunked_` keeps at once (a group of chunks; one sequence of 12
+# heads of 64 holds 192 KiB a chunk). Small: a 12 MiB group (a whole 512-token prompt) made each state's
+# copy into it ~25x slower in the model (fresh pages, its heads 1 MiB apart) than 2 MiB groups
+STATES_BYTES = 2 << 20
 
 
 def wkv6_chunked_(
@@ -103,9 +108,18 @@ def wkv6_chunked_(
     in_chunk, r_start, decay_all, kv_end = (
         t.view(bs, h, n_chunks, *t.shape[1:]) for t in parts
     )  # [Bs, H, C, T, V], [Bs, H, C, T, K], [Bs, H, C, K], [Bs, H, C, K, V]
+    # The chunks' initial states do not depend on r: the loop only decays and adds (elementwise, on one
+    # thread for a few sequences), and the chunks' reads of them are products over many chunks at once
+    # (a [T, K] x [K, V] product a chunk, one at a time, took ~0.3 ms each: 64 a layer for 512 tokens)
     ys = []
-    for i in range(n_chunks):
-        ys.append(r_start[:, :, i] @ state + in_chunk[:, :, i])
-        state.copy_(state * decay_all[:, :, i].unsqueeze(-1) + kv_end[:, :, i])
-    y = torch.stack(ys, dim=2)  # [Bs, H, C, T, V]
+    group = max(1, STATES_BYTES // max(1, state.numel() * state.element_size()))
+    for c0 in range(0, n_chunks, group):
+        c1 = min(n_chunks, c0 + group)
+        starts = state.new_empty(bs, h, c1 - c0, n, n)
+        with one_thread_below(state.numel(), ONE_THREAD_CHUNK_WORK):
+            for i in range(c0, c1):
+                starts[:, :, i - c0] = state
+                state.mul_(decay_all[:, :, i].unsqueeze(-1)).add_(kv_end[:, :, i])
+            ys.append(in_chunk[:, :, c0:c1] + r_start[:, :, c0:c1] @ starts)
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)  # [Bs, H, C, T, V]
     return y.permute(0, 2, 3, 1, 4).reshape(bs, n_chunks * size, h, n)[:, :length]
