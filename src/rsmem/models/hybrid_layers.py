@@ -87,7 +87,7 @@ def many_operand(held: HeldMatrices, weight_t: torch.Tensor) -> RowsOperand:
 def one_operand(held: HeldMatrices, weight_t: torch.Tensor) -> SmallRows | torch.Tensor:
     """A held ``[in, out]`` matrix as one sequence's products take it
     (:func:`~rsmem.models.ops.small_rows.one_operand`)."""
-    return small_rows.one_operand(weight_t, held.packed.twin(weight_t))  # type: ignore[return-value]
+    return small_rows.one_operand(weight_t, held.packed.twin(weight_t))
 
 
 def many_head(held: HeldMatrices, rows: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:

@@ -176,7 +176,7 @@ class RwkvModelBase:
     def one_operand(self, weight_t: torch.Tensor) -> torch.Tensor | SmallRows:
         """A held ``[in, out]`` matrix as the one-sequence step takes it
         (:func:`~rsmem.models.ops.small_rows.one_operand`; :func:`~rsmem.models.ops.wkv_fused.one_row`)."""
-        return one_operand(weight_t, self.held.packed.twin(weight_t))  # type: ignore[return-value]
+        return one_operand(weight_t, self.held.packed.twin(weight_t))
 
     def one_options(self) -> dict[str, Any] | None:
         """Inductor options of the one-sequence step: with the big products in the few-row kernel (each

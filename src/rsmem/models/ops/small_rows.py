@@ -22,7 +22,7 @@ op (a compiled step with a dynamic batch needs no guard on it).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -88,6 +88,10 @@ def many_operand(weight_t: Matrix, packed: torch.Tensor | None) -> RowsOperand:
     return rows_operand(weight_t.t(), packed)
 
 
+@overload
+def one_operand(weight_t: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor | SmallRows: ...
+@overload
+def one_operand(weight_t: Matrix, packed: torch.Tensor | None) -> Matrix | SmallRows: ...
 def one_operand(weight_t: Matrix, packed: torch.Tensor | None) -> Matrix | SmallRows:
     """A held ``[in, out]`` matrix as one sequence's products (:func:`~rsmem.models.ops.fused.gemv`) take
     it: the few-row kernel's operand when the kernels are loaded (it streams the weights on rsmem's own
