@@ -29,6 +29,9 @@ class Running:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=ENV,
+            # as a terminal's shell starts it: SIGINT at its default, even where this test runs with it
+            # ignored (a background job of a non-interactive shell), which the child would inherit
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.out = bytearray()
         self.err = bytearray()
