@@ -20,6 +20,8 @@ variable                  default  effect
                                    are also left when ``MALLOC_TRIM_THRESHOLD_``,
                                    ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or ``GLIBC_TUNABLES``
                                    is set
+``RSMEM_NATIVE_STEP``     1        ``0``: Mamba-2's one-sequence decode through its compiled step instead
+                                   of the C++ step (``rsmem.models.ops.native_step``)
 ``RSMEM_KERNELS_DIR``              where the C++ kernels are built and cached (default
                                    ``$XDG_CACHE_HOME/rsmem/kernels``, else ``~/.cache/rsmem/kernels``)
 ========================= ======== ==================================================================
@@ -46,6 +48,10 @@ def compile_setting(default: str = "auto") -> str:
 
 def onednn_enabled() -> bool:
     return os.environ.get("RSMEM_ONEDNN", "1") != "0"
+
+
+def native_step_enabled() -> bool:
+    return os.environ.get("RSMEM_NATIVE_STEP", "1").strip() != "0"
 
 
 def hugepages_enabled() -> bool:

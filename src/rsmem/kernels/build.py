@@ -31,7 +31,16 @@ import torch
 from rsmem import settings
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("qmatmul.cpp", "ssd_scan.cpp", "rows_f32.cpp", "conv1d.cpp", "gated_norm.cpp", "pool.cpp")
+SOURCES = (
+    "qmatmul.cpp",
+    "ssd_scan.cpp",
+    "rows_f32.cpp",
+    "conv1d.cpp",
+    "gated_norm.cpp",
+    "pool.cpp",
+    "mamba2_step.cpp",
+    "mamba_step.cpp",
+)
 HEADERS = (
     "blocks.h",
     "bf16_tiles.h",
@@ -42,6 +51,8 @@ HEADERS = (
     "int8_small.h",
     "pool.h",
     "rows_kernel.h",
+    "step_common.h",
+    "vec_math.h",
 )
 CFLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp")
 

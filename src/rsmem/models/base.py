@@ -19,6 +19,7 @@ from rsmem.hugepages import huge_page_copies
 from rsmem.models.compiled import ONE_THREAD_GLUE, CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import CapturePoints, output_rows
 from rsmem.models.ops.fused import RowsOperand, token_step, token_step_many
+from rsmem.models.ops.native_step import NativeStep
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.ops.quantized import Matrix, QuantMatrix, as_float32, embed, same_storage
@@ -97,6 +98,8 @@ class MambaFamilyModel:
         # that way (float32 with packing); bf16 [in, out] copies decode one sequence faster eagerly.
         self._rows_contiguous = all(isinstance(m, QuantMatrix) or m.t().is_contiguous() for m in matrices)
         self.compile_decode = False
+        self._one_args: tuple[Any, list[tuple[Any, ...]]] | None = None
+        self._native = self.native_step()
         self.set_compile(compile)
 
     def _to_huge_pages(self) -> None:
@@ -150,12 +153,10 @@ class MambaFamilyModel:
             # what the steps take besides x and the states: (step, head, each layer's weights), for one
             # sequence (as one_operand gives them) and for several (as rows_operand gives them)
             self._step_args = [
-                (step, operand(self.lm_head), [self.layer_args(ly, operand) for ly in self.layers])
-                for step, operand in (
-                    (self._token_step_one, self.one_operand),
-                    (self._token_step_many, self.rows_operand),
-                )
-            ]
+                (self._token_step_one, *self.one_sequence_args()),
+                (self._token_step_many, self.rows_operand(self.lm_head),
+                 [self.layer_args(ly, self.rows_operand) for ly in self.layers]),
+            ]  # fmt: skip
         return self.compile_decode
 
     def warm_up(self) -> float:
@@ -175,6 +176,19 @@ class MambaFamilyModel:
         ctx.decode(Batch([1], seq_ids=[[0]]))
         ctx.decode(Batch([1, 1], seq_ids=[[0], [1]], logits=[True, True]))
         return time.perf_counter() - started
+
+    def native_step(self) -> NativeStep | None:
+        """The architecture's one-sequence decode step in C++ (Mamba, Mamba-2), else None."""
+        return None
+
+    def one_sequence_args(self) -> tuple[Any, list[tuple[Any, ...]]]:
+        """The head and each layer's weights as the one-sequence steps take them (:meth:`one_operand`)."""
+        if self._one_args is None:
+            self._one_args = (
+                self.one_operand(self.lm_head),
+                [self.layer_args(ly, self.one_operand) for ly in self.layers],
+            )
+        return self._one_args
 
     def make_compiled_steps(self) -> None:
         """Create the architecture's :class:`~rsmem.models.compiled.CompiledStep` objects besides the whole
@@ -217,8 +231,11 @@ class MambaFamilyModel:
         tokens = ubatch.token_tensor()  # [Bs, L]
         n_seqs, n_tokens = tokens.shape
         at = capture.points if capture is not None else ()
-        if n_tokens == 1 and not at and self.compile_decode and (n_seqs > 1 or self._rows_contiguous):
-            return self.decode_forward(tokens[:, 0], ubatch, states)
+        if n_tokens == 1 and not at:
+            if n_seqs == 1 and self._rows_contiguous and self._native is not None and self._native.usable():
+                return self.decode_forward(tokens[:, 0], ubatch, states)
+            if self.compile_decode and (n_seqs > 1 or self._rows_contiguous):
+                return self.decode_forward(tokens[:, 0], ubatch, states)
         x = embed(self.embedding, tokens)  # [Bs, L, d_model], a fresh tensor: the residual adds in place
         for il, layer in enumerate(self.layers):
             r, s = states.read_states(il)
@@ -231,14 +248,25 @@ class MambaFamilyModel:
         return self.head(x, ubatch)
 
     def decode_forward(self, tokens: torch.Tensor, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
-        """:meth:`forward` for one token a sequence (``tokens`` ``[Bs]``) through the compiled steps."""
+        """:meth:`forward` for one token a sequence (``tokens`` ``[Bs]``): one sequence through the C++ step
+        where it runs (:meth:`native_step`), else through the compiled steps."""
         eps = self.config.eps
         x = embed(self.embedding, tokens)  # [Bs, d_model]
         n_seqs = x.shape[0]
         views = [self.state_views(*states.read_states(il), n_seqs) for il in range(self.n_layer)]
-        step, head, weights = self._step_args[n_seqs > 1]
-        flat = [t for w, v in zip(weights, views, strict=True) for t in (*w, *v)]
-        logits = step(x, self.norm_f, head, eps, *flat)
+        native = self._native if n_seqs == 1 else None
+        if native is not None:
+            head, weights = self.one_sequence_args()
+            flat = [t for w, v in zip(weights, views, strict=True) for t in (*w, *v)]
+            if native.accepts(head, flat) and native.check(x, self.norm_f, head, eps, flat):
+                logits = native(x, self.norm_f, head, eps, *flat)
+            else:  # its check failed, or an operand it does not take: the compiled step, or its function
+                step_one = self._token_step_one if self.compile_decode else native.twin
+                logits = step_one(x, self.norm_f, head, eps, *flat)
+        else:
+            step, head, weights = self._step_args[n_seqs > 1]
+            flat = [t for w, v in zip(weights, views, strict=True) for t in (*w, *v)]
+            logits = step(x, self.norm_f, head, eps, *flat)
         for il, (window, h) in enumerate(views):
             states.write_states(il, window, h)
         rows = ubatch.output_rows()

@@ -24,7 +24,9 @@ from rsmem.models.ops.fused import (
     mamba_layer_one_,
     mamba_scan_block,
     selective_scan_blocked_at_,
+    token_step,
 )
+from rsmem.models.ops.native_step import NativeStep
 from rsmem.models.ops.quantized import Matrix
 from rsmem.models.ops.selective_scan import selective_scan_at_
 
@@ -136,6 +138,12 @@ class MambaModel(MambaFamilyModel):
 
     def layer_many(self) -> Callable[..., torch.Tensor]:
         return mamba_layer_many_
+
+    def native_step(self) -> NativeStep:
+        layer_fn, n_fields, consts = self.layer_one()
+        return NativeStep(
+            "mamba_step_one", token_step(layer_fn, n_fields, consts), n_fields, (1, 4, 9), consts
+        )
 
     def layer_args(self, layer: MambaLayer, operand: Callable[[Matrix], Any]) -> tuple[Any, ...]:
         ly = layer

@@ -19,7 +19,8 @@ from rsmem.models.base import MambaFamilyModel
 from rsmem.models.compiled import GLUE_MIN_CHUNK, CompileSetting
 from rsmem.models.ops.common import CapturePoints
 from rsmem.models.ops.conv import causal_conv1d_, conv_windows_at
-from rsmem.models.ops.fused import mamba2_layer_many_, mamba2_layer_one_
+from rsmem.models.ops.fused import mamba2_layer_many_, mamba2_layer_one_, token_step
+from rsmem.models.ops.native_step import NativeStep
 from rsmem.models.ops.norm import gated_group_rms_norm
 from rsmem.models.ops.quantized import Matrix
 from rsmem.models.ops.ssd import ssd_chunked_at_
@@ -146,6 +147,10 @@ class Mamba2Model(MambaFamilyModel):
 
     def layer_many(self) -> Callable[..., torch.Tensor]:
         return mamba2_layer_many_
+
+    def native_step(self) -> NativeStep:
+        layer_fn, n_fields, consts = self.layer_one()
+        return NativeStep("mamba2_step_one", token_step(layer_fn, n_fields, consts), n_fields, (1, 8), consts)
 
     def layer_args(self, layer: Mamba2Layer, operand: Callable[[Matrix], Any]) -> tuple[Any, ...]:
         ly = layer

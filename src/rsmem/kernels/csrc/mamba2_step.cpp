@@ -1,0 +1,208 @@
+// Mamba-2's one-token decode step in C++: one op call a token instead of a compiled graph whose Python
+// wrapper, dynamo guards and ~100 small buffers cost 2.5-3 ms a token of the 130M model (the products
+// themselves stream the weights at the machine's read rate).
+//
+//   mamba2_mixer_one_(zxbcdt [Bs, d_inner + conv_dim + H], window [Bs, conv_dim, K-1] (moved in place),
+//       conv_weight [conv_dim, K], conv_bias [conv_dim], dt_bias, A, D [H], ssm_norm [d_inner],
+//       h [Bs, H, P, N] (updated in place), n_group, eps) -> y [Bs, d_inner]
+//     the mixer between the two projections: the short convolution and SiLU of the xBC channels,
+//     dt = softplus(dt + dt_bias), per head h = h exp(dt A) + (x dt) B^T and y = h C + D x (the state after
+//     the token, as llama.cpp's ssm_scan), then the gated group RMS norm of y with z. Heads are shared
+//     between rsmem's product workers (pool.h), so the state update (196,608 floats a layer at 130M) reads
+//     and writes each state row once, on both cores.
+//   mamba2_step_one(x [1, d_model], layers: 11 tensors a layer (norm, in_proj, conv_weight, conv_bias,
+//       dt_bias, A, D, ssm_norm, out_proj, window, h), qtypes [2 a layer: in_proj, out_proj], norm_f, head,
+//       head_qtype, n_group, eps) -> logits [1, n_vocab]
+//     the whole step: per layer the pre-norm, in_proj, the mixer, out_proj and the residual; then the final
+//     norm and the head. A matrix of qtype -1 is float32 [out, in] with contiguous rows (the few-row kernel,
+//     rows_kernel.h); another qtype is blocks for rsmem_native::qmatmul (Q8_0, Q4_K, ..., F16, BF16).
+//
+// Reference twins: rsmem.models.ops.fused.mamba2_mixer_step_ and token_step (mamba2_layer_one_), the
+// compiled step's own function (tests/kernels/test_mamba2_step.py).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "pool.h"
+#include "step_common.h"
+
+namespace rsmem {
+namespace {
+
+using step::check_f32;
+using step::check_matrix;
+using step::product;
+using step::rms_norm_row;
+using step::silu;
+using step::softplus;
+
+constexpr const char* kOp = "mamba2 step";
+
+// The mixer's operands, checked before anything is written: h [Bs, H, P, N]; returns conv_dim.
+int64_t check_mixer(const at::Tensor& zxbcdt, const at::Tensor& window, const at::Tensor& conv_weight,
+                    const at::Tensor& conv_bias, const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D,
+                    const at::Tensor& ssm_norm, const at::Tensor& h, int64_t n_group) {
+  TORCH_CHECK_VALUE(h.dim() == 4, "mamba2 step: h must be [Bs, H, P, N], got ", h.sizes());
+  const int64_t Bs = h.size(0), H = h.size(1), P = h.size(2), N = h.size(3), d_inner = H * P;
+  TORCH_CHECK_VALUE(n_group > 0 && H % n_group == 0, "mamba2 step: n_group must divide the heads");
+  TORCH_CHECK_VALUE(conv_weight.dim() == 2, "mamba2 step: conv_weight must be [conv_dim, K]");
+  const int64_t C = conv_weight.size(0), K = conv_weight.size(1);
+  TORCH_CHECK_VALUE(C == d_inner + 2 * n_group * N && K >= 2, "mamba2 step: conv_weight ", conv_weight.sizes(),
+                    " does not fit h ", h.sizes(), " and ", n_group, " groups");
+  check_f32(kOp, h, Bs * H * P * N, "h");
+  check_f32(kOp, window, Bs * C * (K - 1), "window");
+  check_f32(kOp, conv_weight, C * K, "conv_weight");
+  check_f32(kOp, conv_bias, C, "conv_bias");
+  check_f32(kOp, dt_bias, H, "dt_bias");
+  check_f32(kOp, A, H, "A");
+  check_f32(kOp, D, H, "D");
+  check_f32(kOp, ssm_norm, d_inner, "ssm_norm");
+  const int64_t width = d_inner + C + H;
+  TORCH_CHECK_VALUE(zxbcdt.scalar_type() == at::kFloat && zxbcdt.dim() == 2 && zxbcdt.size(0) == Bs &&
+                        zxbcdt.size(1) == width && zxbcdt.stride(1) == 1,
+                    "mamba2 step: zxbcdt must be float32 [", Bs, ", ", width, "] with unit stride, got ",
+                    zxbcdt.sizes());
+  return C;
+}
+
+// the mixer on checked operands (check_mixer)
+at::Tensor mixer(const at::Tensor& zxbcdt, at::Tensor& window, const at::Tensor& conv_weight,
+                 const at::Tensor& conv_bias, const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D,
+                 const at::Tensor& ssm_norm, at::Tensor& h, int64_t n_group, double eps) {
+  const int64_t Bs = h.size(0), H = h.size(1), P = h.size(2), N = h.size(3), d_inner = H * P;
+  const int64_t C = conv_weight.size(0), K = conv_weight.size(1);
+  const int64_t G = n_group, rep = H / G, Dg = d_inner / G;
+  at::Tensor xbc = at::empty({Bs, C}, zxbcdt.options());     // after the conv and SiLU
+  at::Tensor y = at::empty({Bs, d_inner}, zxbcdt.options());  // before the norm, then the result
+  at::Tensor dts = at::empty({Bs, H}, zxbcdt.options());
+  const float *zp = zxbcdt.data_ptr<float>(), *cw = conv_weight.data_ptr<float>(), *cb = conv_bias.data_ptr<float>();
+  const float *dtb = dt_bias.data_ptr<float>(), *Ap = A.data_ptr<float>(), *Dp = D.data_ptr<float>();
+  const float* nw = ssm_norm.data_ptr<float>();
+  float *win = window.data_ptr<float>(), *xp = xbc.data_ptr<float>(), *yp = y.data_ptr<float>();
+  float *hp = h.data_ptr<float>(), *dtp = dts.data_ptr<float>();
+  const int64_t ld = zxbcdt.stride(0);
+  for (int64_t b = 0; b < Bs; ++b) {
+    const float* row = zp + b * ld;
+    for (int64_t c = 0; c < C; ++c) {  // the causal conv over the window then this token; the window moves
+      float* wc = win + (b * C + c) * (K - 1);
+      const float* kc = cw + c * K;
+      const float v = row[d_inner + c];
+      float acc = cb[c];
+      for (int64_t k = 0; k < K - 1; ++k) acc += kc[k] * wc[k];
+      acc += kc[K - 1] * v;
+      for (int64_t k = 0; k + 1 < K - 1; ++k) wc[k] = wc[k + 1];
+      wc[K - 2] = v;
+      xp[b * C + c] = silu(acc);
+    }
+    for (int64_t hh = 0; hh < H; ++hh) dtp[b * H + hh] = softplus(row[d_inner + C + hh] + dtb[hh]);
+  }
+  // heads of every sequence, each state row updated and read once: h = h dA + (x dt) B; y = h . C + D x
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (P * N));
+  pool::parallel_for(0, Bs * H, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, hh = i % H, g = hh / rep;
+      const float dt = dtp[i], dA = std::exp(dt * Ap[hh]), d = Dp[hh];
+      const float* x = xp + b * C + hh * P;
+      const float* B = xp + b * C + d_inner + g * N;
+      const float* Cv = xp + b * C + d_inner + G * N + g * N;
+      float* st = hp + i * P * N;
+      float* yo = yp + b * d_inner + hh * P;
+      for (int64_t p = 0; p < P; ++p) {
+        float* s = st + p * N;
+        const float xdt = x[p] * dt;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < N; ++n) {
+          const float v = s[n] * dA + xdt * B[n];
+          s[n] = v;
+          acc += v * Cv[n];
+        }
+        yo[p] = acc + d * x[p];
+      }
+    }
+  });
+  // gated group RMS norm: g = y * silu(z), each group scaled by 1 / rms, times the norm's weight
+  for (int64_t b = 0; b < Bs; ++b) {
+    const float* z = zp + b * ld;
+    float* yr = yp + b * d_inner;
+    for (int64_t g = 0; g < G; ++g) {
+      float ss = 0.f;
+      for (int64_t j = g * Dg; j < (g + 1) * Dg; ++j) {
+        yr[j] *= silu(z[j]);
+        ss += yr[j] * yr[j];
+      }
+      const float scale = 1.f / std::sqrt(ss / static_cast<float>(Dg) + static_cast<float>(eps));
+      for (int64_t j = g * Dg; j < (g + 1) * Dg; ++j) yr[j] = yr[j] * scale * nw[j];
+    }
+  }
+  return y;
+}
+
+at::Tensor mamba2_mixer_one_(const at::Tensor& zxbcdt, at::Tensor& window, const at::Tensor& conv_weight,
+                             const at::Tensor& conv_bias, const at::Tensor& dt_bias, const at::Tensor& A,
+                             const at::Tensor& D, const at::Tensor& ssm_norm, at::Tensor& h, int64_t n_group,
+                             double eps) {
+  check_mixer(zxbcdt, window, conv_weight, conv_bias, dt_bias, A, D, ssm_norm, h, n_group);
+  return mixer(zxbcdt, window, conv_weight, conv_bias, dt_bias, A, D, ssm_norm, h, n_group, eps);
+}
+
+constexpr int64_t kLayerTensors = 11;
+
+at::Tensor mamba2_step_one(const at::Tensor& x_in, at::TensorList layers, at::IntArrayRef qtypes,
+                           const at::Tensor& norm_f, const at::Tensor& head, int64_t head_qtype, int64_t n_group,
+                           double eps) {
+  TORCH_CHECK_VALUE(layers.size() % kLayerTensors == 0 && qtypes.size() * kLayerTensors == 2 * layers.size(),
+                    "mamba2 step: 11 tensors and 2 qtypes a layer, got ", layers.size(), " and ", qtypes.size());
+  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) == 1,
+                    "mamba2 step: x must be float32 [1, d_model], got ", x_in.sizes());
+  const int64_t dm = x_in.size(1);
+  const int64_t n_layer = static_cast<int64_t>(layers.size()) / kLayerTensors;
+  // every layer's operands first: a bad one is an error before any state is written
+  for (int64_t il = 0; il < n_layer; ++il) {
+    const at::Tensor* t = layers.data() + il * kLayerTensors;
+    check_f32(kOp, t[0], dm, "norm");
+    TORCH_CHECK_VALUE(t[10].dim() == 4 && t[10].size(0) == 1, "mamba2 step: h must be [1, H, P, N], got ",
+                      t[10].sizes());
+    const int64_t d_inner = t[10].size(1) * t[10].size(2), C = t[2].dim() == 2 ? t[2].size(0) : 0;
+    check_matrix(kOp, t[1], qtypes[2 * il], d_inner + C + t[10].size(1), dm, "in_proj");
+    check_matrix(kOp, t[8], qtypes[2 * il + 1], dm, d_inner, "out_proj");
+    const at::Tensor zxbcdt_shape = at::empty({1, d_inner + C + t[10].size(1)}, x_in.options());
+    check_mixer(zxbcdt_shape, t[9], t[2], t[3], t[4], t[5], t[6], t[7], t[10], n_group);
+  }
+  check_f32(kOp, norm_f, dm, "norm_f");
+  TORCH_CHECK_VALUE(head.dim() == 2, "mamba2 step: head must be a matrix, got ", head.sizes());
+  check_matrix(kOp, head, head_qtype, head.size(0), dm, "head");
+
+  const float feps = static_cast<float>(eps);
+  at::Tensor x = x_in.contiguous().clone();  // the residual stream
+  at::Tensor u = at::empty_like(x);
+  float *xp = x.data_ptr<float>(), *up = u.data_ptr<float>();
+  for (int64_t il = 0; il < n_layer; ++il) {
+    const at::Tensor* t = layers.data() + il * kLayerTensors;
+    rms_norm_row(xp, t[0].data_ptr<float>(), up, dm, feps);
+    const at::Tensor zxbcdt = product(u, t[1], qtypes[2 * il]);
+    at::Tensor window = t[9], h = t[10];
+    const at::Tensor y = mixer(zxbcdt, window, t[2], t[3], t[4], t[5], t[6], t[7], h, n_group, eps);
+    const at::Tensor out = product(y, t[8], qtypes[2 * il + 1]);
+    const float* op = out.data_ptr<float>();
+    for (int64_t j = 0; j < dm; ++j) xp[j] += op[j];
+  }
+  rms_norm_row(xp, norm_f.data_ptr<float>(), up, dm, feps);
+  return product(u, head, head_qtype);
+}
+
+}  // namespace
+}  // namespace rsmem
+
+TORCH_LIBRARY_FRAGMENT(RSMEM_OPS_NS, m) {
+  m.def(
+      "mamba2_mixer_one_(Tensor zxbcdt, Tensor(a!) window, Tensor conv_weight, Tensor conv_bias, Tensor dt_bias, "
+      "Tensor A, Tensor D, Tensor ssm_norm, Tensor(b!) h, int n_group, float eps) -> Tensor",
+      &rsmem::mamba2_mixer_one_);
+  m.def(
+      "mamba2_step_one(Tensor x, Tensor[] layers, int[] qtypes, Tensor norm_f, Tensor head, int head_qtype, "
+      "int n_group, float eps) -> Tensor",
+      &rsmem::mamba2_step_one);
+}

@@ -1,0 +1,154 @@
+// Mamba's one-token decode step in C++, as mamba2_step.cpp is Mamba-2's: one op call a token instead of a
+// compiled graph whose Python wrapper and dynamo guards cost milliseconds a token around products that
+// already stream the weights at the machine's read rate.
+//
+//   mamba_step_one(x [1, d_model], layers: 12 tensors a layer (norm, in_proj, conv_weight [D, K], conv_bias,
+//       x_proj, dt_proj [D, R] float32, dt_bias, A [D, N], D [D], out_proj, window [1, D, K-1], h [1, D, N]),
+//       qtypes [3 a layer: in_proj, x_proj, out_proj], norm_f, head, head_qtype, eps) -> logits [1, n_vocab]
+//     per layer: the pre-norm, in_proj (x, z), the short convolution and SiLU of x, x_proj (dt, B, C),
+//     dt = softplus(dt_proj dt + dt_bias), per channel h = h exp(dt A) + (dt x) B and y = h . C + D x (the
+//     state after the token), y * silu(z), out_proj and the residual; then the final norm and the head.
+//     Matrices: float32 [out, in] with contiguous rows (qtype -1) or blocks for rsmem_native::qmatmul.
+//     Channels are shared between rsmem's product workers (pool.h).
+//
+// Reference twin: rsmem.models.ops.fused.token_step of mamba_layer_one_, the compiled step's own function
+// (tests/kernels/test_mamba_step.py).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "pool.h"
+#include "step_common.h"
+#include "vec_math.h"
+
+namespace rsmem {
+namespace {
+
+using step::check_f32;
+using step::check_matrix;
+using step::product;
+using step::rms_norm_row;
+using step::silu;
+using step::softplus;
+
+constexpr const char* kOp = "mamba step";
+constexpr int64_t kLayerTensors = 12;
+
+// One channel's state row [N]: h = h exp(dt A) + dtx B; returns h . C (the row after the update).
+inline float update_channel(float* __restrict h, const float* __restrict A, const float* __restrict B,
+                            const float* __restrict C, int64_t N, float dt, float dtx) {
+  int64_t n = 0;
+  float acc = 0.f;
+#if defined(__AVX512F__)
+  const __m512 vdt = _mm512_set1_ps(dt), vx = _mm512_set1_ps(dtx);
+  __m512 a = _mm512_setzero_ps();
+  for (; n + 16 <= N; n += 16) {
+    const __m512 dA = exp16(_mm512_mul_ps(vdt, _mm512_loadu_ps(A + n)));
+    const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(h + n), dA, _mm512_mul_ps(vx, _mm512_loadu_ps(B + n)));
+    _mm512_storeu_ps(h + n, v);
+    a = _mm512_fmadd_ps(v, _mm512_loadu_ps(C + n), a);
+  }
+  acc = _mm512_reduce_add_ps(a);
+#endif
+  for (; n < N; ++n) {
+    const float v = h[n] * std::exp(dt * A[n]) + dtx * B[n];
+    h[n] = v;
+    acc += v * C[n];
+  }
+  return acc;
+}
+
+// Every layer's operands before anything is written: a bad one is an error with every state as it was.
+void check_layers(at::TensorList layers, at::IntArrayRef qtypes, int64_t dm, int64_t dt_rank, int64_t d_state) {
+  const int64_t n_layer = static_cast<int64_t>(layers.size()) / kLayerTensors;
+  for (int64_t il = 0; il < n_layer; ++il) {
+    const at::Tensor* t = layers.data() + il * kLayerTensors;
+    TORCH_CHECK_VALUE(t[2].dim() == 2 && t[2].size(1) >= 2, kOp, ": conv_weight must be [D, K], got ",
+                      t[2].sizes());
+    const int64_t D = t[2].size(0), K = t[2].size(1), N = d_state, R = dt_rank;
+    check_f32(kOp, t[0], dm, "norm");
+    check_matrix(kOp, t[1], qtypes[3 * il], 2 * D, dm, "in_proj");
+    check_f32(kOp, t[2], D * K, "conv_weight");
+    check_f32(kOp, t[3], D, "conv_bias");
+    check_matrix(kOp, t[4], qtypes[3 * il + 1], R + 2 * N, D, "x_proj");
+    check_matrix(kOp, t[5], -1, D, R, "dt_proj");
+    check_f32(kOp, t[6], D, "dt_bias");
+    check_f32(kOp, t[7], D * N, "A");
+    check_f32(kOp, t[8], D, "D");
+    check_matrix(kOp, t[9], qtypes[3 * il + 2], dm, D, "out_proj");
+    check_f32(kOp, t[10], D * (K - 1), "window");
+    check_f32(kOp, t[11], D * N, "h");
+  }
+}
+
+at::Tensor mamba_step_one(const at::Tensor& x_in, at::TensorList layers, at::IntArrayRef qtypes,
+                          const at::Tensor& norm_f, const at::Tensor& head, int64_t head_qtype, double eps,
+                          int64_t dt_rank, int64_t d_state) {
+  TORCH_CHECK_VALUE(layers.size() % kLayerTensors == 0 && qtypes.size() * kLayerTensors == 3 * layers.size(),
+                    kOp, ": 12 tensors and 3 qtypes a layer, got ", layers.size(), " and ", qtypes.size());
+  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) == 1, kOp,
+                    ": x must be float32 [1, d_model], got ", x_in.sizes());
+  TORCH_CHECK_VALUE(dt_rank > 0 && d_state > 0, kOp, ": dt_rank and d_state must be positive");
+  const int64_t dm = x_in.size(1), R = dt_rank, N = d_state;
+  check_layers(layers, qtypes, dm, R, N);
+  check_f32(kOp, norm_f, dm, "norm_f");
+  TORCH_CHECK_VALUE(head.dim() == 2, kOp, ": head must be a matrix, got ", head.sizes());
+  check_matrix(kOp, head, head_qtype, head.size(0), dm, "head");
+
+  const float feps = static_cast<float>(eps);
+  at::Tensor x = x_in.contiguous().clone();  // the residual stream
+  at::Tensor u = at::empty_like(x);
+  float *xp = x.data_ptr<float>(), *up = u.data_ptr<float>();
+  const int64_t n_layer = static_cast<int64_t>(layers.size()) / kLayerTensors;
+  for (int64_t il = 0; il < n_layer; ++il) {
+    const at::Tensor* t = layers.data() + il * kLayerTensors;
+    const int64_t D = t[2].size(0), K = t[2].size(1);
+    rms_norm_row(xp, t[0].data_ptr<float>(), up, dm, feps);
+    const at::Tensor xz = product(u, t[1], qtypes[3 * il]);  // [1, 2D]: x, then z
+    const float* xzp = xz.data_ptr<float>();
+    at::Tensor xc = at::empty({1, D}, x.options());
+    float *xcp = xc.data_ptr<float>(), *win = t[10].data_ptr<float>();
+    const float *cw = t[2].data_ptr<float>(), *cb = t[3].data_ptr<float>();
+    for (int64_t d = 0; d < D; ++d) {  // the causal conv over the window then this token; the window moves
+      float* wd = win + d * (K - 1);
+      const float* kd = cw + d * K;
+      float acc = cb[d];
+      for (int64_t k = 0; k < K - 1; ++k) acc += kd[k] * wd[k];
+      acc += kd[K - 1] * xzp[d];
+      for (int64_t k = 0; k + 1 < K - 1; ++k) wd[k] = wd[k + 1];
+      wd[K - 2] = xzp[d];
+      xcp[d] = silu(acc);
+    }
+    const at::Tensor dbc = product(xc, t[4], qtypes[3 * il + 1]);  // [1, R + 2N]: dt, B, C
+    const at::Tensor dt = product(dbc.narrow(1, 0, R).contiguous(), t[5], -1);
+    const float *dtp = dt.data_ptr<float>(), *Bp = dbc.data_ptr<float>() + R, *Cp = Bp + N;
+    const float *dtb = t[6].data_ptr<float>(), *Ap = t[7].data_ptr<float>(), *Dp = t[8].data_ptr<float>();
+    float* hp = t[11].data_ptr<float>();
+    at::Tensor y = at::empty({1, D}, x.options());
+    float* yp = y.data_ptr<float>();
+    pool::parallel_for(0, D, std::max<int64_t>(64, (int64_t{1} << 13) / N), [&](int64_t d0, int64_t d1) {
+      for (int64_t d = d0; d < d1; ++d) {
+        const float dtd = softplus(dtp[d] + dtb[d]);
+        const float hc = update_channel(hp + d * N, Ap + d * N, Bp, Cp, N, dtd, dtd * xcp[d]);
+        yp[d] = (hc + Dp[d] * xcp[d]) * silu(xzp[D + d]);
+      }
+    });
+    const at::Tensor out = product(y, t[9], qtypes[3 * il + 2]);
+    const float* op = out.data_ptr<float>();
+    for (int64_t j = 0; j < dm; ++j) xp[j] += op[j];
+  }
+  rms_norm_row(xp, norm_f.data_ptr<float>(), up, dm, feps);
+  return product(u, head, head_qtype);
+}
+
+}  // namespace
+}  // namespace rsmem
+
+TORCH_LIBRARY_FRAGMENT(RSMEM_OPS_NS, m) {
+  m.def(
+      "mamba_step_one(Tensor x, Tensor[] layers, int[] qtypes, Tensor norm_f, Tensor head, int head_qtype, "
+      "float eps, int dt_rank, int d_state) -> Tensor",
+      &rsmem::mamba_step_one);
+}

@@ -1,0 +1,74 @@
+// What the C++ decode steps (mamba2_step.cpp, mamba_step.cpp) share: scalar activations, the RMS norm of one
+// row, operand checks that name the op and the operand, and the one-row product of a float32 matrix (the
+// few-row kernel, rows_kernel.h) or of quantized / F16 / BF16 blocks (rsmem_native::qmatmul through the
+// dispatcher, so the steps need not see its translation unit).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "rows_kernel.h"
+
+#ifndef RSMEM_OPS_NS
+#define RSMEM_OPS_NS rsmem_native
+#endif
+#define RSMEM_NAME2(ns) #ns
+#define RSMEM_NAME(ns) RSMEM_NAME2(ns)
+
+namespace rsmem {
+namespace step {
+
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
+
+// out = x / sqrt(mean(x^2) + eps) * w over n values
+inline void rms_norm_row(const float* __restrict x, const float* __restrict w, float* __restrict out, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t j = 0; j < n; ++j) ss += x[j] * x[j];
+  const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) out[j] = x[j] * scale * w[j];
+}
+
+inline void check_f32(const char* op, const at::Tensor& t, int64_t numel, const char* what) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous() && t.numel() == numel,
+                    op, ": ", what, " must be a contiguous float32 CPU tensor of ", numel, " values, got ",
+                    t.scalar_type(), " ", t.sizes());
+}
+
+// a matrix of N rows of K values: float32 [N, K] with contiguous rows (qtype -1), else N rows of uint8 blocks
+// (their row length is rsmem_native::qmatmul's check)
+inline void check_matrix(const char* op, const at::Tensor& w, int64_t qtype, int64_t N, int64_t K,
+                         const char* what) {
+  if (qtype < 0) {
+    TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat && w.device().is_cpu() && w.dim() == 2 && w.size(0) == N &&
+                          w.size(1) == K && (w.stride(1) == 1 || K <= 1),
+                      op, ": ", what, " must be float32 [", N, ", ", K, "] with contiguous rows, got ",
+                      w.scalar_type(), " ", w.sizes());
+  } else {
+    TORCH_CHECK_VALUE(w.scalar_type() == at::kByte && w.device().is_cpu() && w.dim() == 2 && w.size(0) == N,
+                      op, ": ", what, " must be ", N, " rows of uint8 blocks, got ", w.scalar_type(), " ",
+                      w.sizes());
+  }
+}
+
+// x [1, K] @ W^T for a checked matrix (check_matrix)
+inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
+  if (qtype < 0) {
+    const int64_t N = w.size(0), Kd = x.size(1);
+    at::Tensor y = at::empty({1, N}, x.options());
+    rows::product<rows::F32W>(x.data_ptr<float>(), Kd, w.data_ptr<float>(), Kd <= 1 ? Kd : w.stride(0), 1, N, Kd,
+                              y.data_ptr<float>());
+    return y;
+  }
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow(RSMEM_NAME(RSMEM_OPS_NS) "::qmatmul", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t)>();
+  return op.call(x, w, qtype, x.size(1), -1);
+}
+
+}  // namespace step
+}  // namespace rsmem

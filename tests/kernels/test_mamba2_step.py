@@ -1,0 +1,199 @@
+"""Mamba-2's one-token decode step in C++ (kernels/csrc/mamba2_step.cpp, models/ops/native_step.py): the
+mixer op against its twin (ops.fused.mamba2_mixer_step_), the whole step against the compiled step's
+function run eagerly (token_step of mamba2_layer_one_) and against the model's layer-by-layer forward, for
+float32 and quantized matrices; bad operands rejected before any state is written; the first call's check
+and its fallback."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import rsmem
+from rsmem.engine import default_model_path
+from rsmem.kernels.build import native_ops
+from rsmem.models.mamba2 import Mamba2Config
+from rsmem.models.ops.fused import mamba2_mixer_step_
+from rsmem.models.random_init import random_mamba2
+
+QUANT = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "quant"
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = native_ops()
+    assert ops is not None, "the C++ kernels must build here"
+    return ops
+
+
+def _mixer_operands(bs: int, h: int, p: int, n: int, g: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    d_inner = h * p
+    c = d_inner + 2 * g * n
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    zxbcdt = r(bs, d_inner + c + h) * 2
+    return (zxbcdt, r(bs, c, k - 1), r(c, k), r(c), r(h), -torch.rand(h, generator=gen) * 3, r(h), r(d_inner),
+            r(bs, h, p, n))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("bs", "h", "p", "n", "g", "k"), [(1, 24, 64, 128, 1, 4), (3, 8, 16, 32, 2, 4), (2, 4, 8, 16, 4, 3)]
+)
+def test_mixer_matches_its_twin(ops, bs: int, h: int, p: int, n: int, g: int, k: int) -> None:
+    zxbcdt, window, cw, cb, dtb, a, d, nw, state = _mixer_operands(bs, h, p, n, g, k)
+    w_ref, h_ref = window.clone(), state.clone()
+    want = mamba2_mixer_step_(zxbcdt, w_ref, cw, cb, dtb, a, d, nw, h_ref, g, 1e-5)
+    for threads in (1, 2):
+        w_got, h_got = window.clone(), state.clone()
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            got = ops.mamba2_mixer_one_(zxbcdt, w_got, cw, cb, dtb, a, d, nw, h_got, g, 1e-5)
+        finally:
+            torch.set_num_threads(before)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(w_got, w_ref)  # the window moves by copies only
+        torch.testing.assert_close(h_got, h_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mixer_rejects_a_bad_window_before_writing(ops) -> None:
+    zxbcdt, window, cw, cb, dtb, a, d, nw, state = _mixer_operands(1, 4, 8, 16, 2, 4)
+    short = window[:, :-1].clone()
+    h_before = state.clone()
+    with pytest.raises(ValueError, match="window"):
+        ops.mamba2_mixer_one_(zxbcdt, short, cw, cb, dtb, a, d, nw, state, 2, 1e-5)
+    assert torch.equal(state, h_before)
+
+
+def _model(seed: int = 5):
+    cfg = Mamba2Config(d_model=64, n_layer=3, n_vocab=80, d_state=16, n_head=4, n_group=2, chunk_size=8)
+    return random_mamba2(cfg, seed=seed)
+
+
+def _decode(model, steps: int = 5) -> list[torch.Tensor]:
+    """A 9-token prompt, then one-token steps of one sequence: every step's logits, then the state rows."""
+    ctx = rsmem.Context(model, n_seq_max=2)
+    ctx.decode(rsmem.Batch(list(range(1, 10)), seq_ids=[[0]] * 9))
+    out = []
+    for k in range(steps):
+        ctx.decode(rsmem.Batch([(5 * k + 3) % 80], seq_ids=[[0]]))
+        out.append(ctx.logits.clone())
+    return out + [t.clone() for t in (*ctx.memory.r_l, *ctx.memory.s_l)]
+
+
+def test_model_decode_matches_the_layer_by_layer_forward(ops, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    model.set_compile(False)
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", "0")
+    want = _decode(model)
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed check would fall back with a warning
+        got = _decode(model)
+    assert model._native is not None and model._native._checked and model._native.failed is None
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _one_step_args(model):
+    head, weights = model.one_sequence_args()
+    gen = torch.Generator().manual_seed(1)
+    states = [
+        model.state_views(
+            torch.randn(1, model.n_embd_r, generator=gen), torch.randn(1, model.n_embd_s, generator=gen), 1
+        )
+        for _ in range(model.n_layer)
+    ]
+    flat = [t for w, v in zip(weights, states, strict=True) for t in (*w, *v)]
+    x = torch.randn(1, model.config.d_model, generator=gen)
+    return x, head, flat
+
+
+def _copy_states(model, flat: list) -> list:
+    n = len(flat) // model.n_layer
+    return [t.clone() if i % n >= n - 2 else t for i, t in enumerate(flat)]
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"])
+def test_quantized_step_matches_its_twin(ops, qtype: str) -> None:
+    """llama.cpp's tiny quantized Mamba-2 files: the op against the compiled step's function on the same
+    states, one token (the products are the same kernel; the activations' int8 rounding can differ in a
+    last bit, so the bound is that of the first call's check, and the typical difference is far below)."""
+    path = QUANT / "mamba2" / f"model-{qtype}.gguf"
+    model = rsmem.load_model(path, compile="0")
+    step = model._native
+    assert step is not None
+    x, head, flat = _one_step_args(model)
+    mine, theirs = _copy_states(model, flat), _copy_states(model, flat)
+    eps = model.config.eps
+    got = step(x, model.norm_f, head, eps, *mine)
+    want = step.twin(x, model.norm_f, head, eps, *theirs)
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= 1e-3 * scale
+    for a, b in zip(mine, theirs, strict=True):
+        if a is not b:
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max()))
+
+
+def test_embedded_model_f16_decode_matches_the_forward(ops, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embedded model keeps its F16 matrices 2 bytes a value: widened in registers, float32 sums."""
+    model = rsmem.load_model(default_model_path(), compile="0")
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", "0")
+    want = _decode(model)
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", "1")
+    got = _decode(model)
+    assert model._native._checked and model._native.failed is None
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_step_rejects_a_bad_layer_before_writing(ops) -> None:
+    """A wrong state in the last layer: a ValueError naming it, and no layer's state written."""
+    model = _model()
+    x, head, flat = _one_step_args(model)
+    n = len(flat) // model.n_layer
+    flat[-1] = flat[-1][:, :, :, :-1].contiguous()  # the last layer's h, one value short a row
+    before = [t.clone() for i, t in enumerate(flat) if i % n >= n - 2]
+    with pytest.raises(ValueError, match="h"):
+        model._native(x, model.norm_f, head, model.config.eps, *flat)
+    after = [t for i, t in enumerate(flat) if i % n >= n - 2]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_a_failed_check_keeps_the_other_step(ops, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the op and its twin disagree at the first call, a warning says so, nothing is written by the
+    check, that step takes the twin's results and later ones the layer-by-layer forward."""
+    model = _model()
+    model.set_compile(False)
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", "0")
+    want = _decode(model)
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", "1")
+    model._native.twin = _shifted(model._native.twin)
+    with pytest.warns(RuntimeWarning, match="C\\+\\+ decode step mamba2_step_one is not used"):
+        got = _decode(model)
+    assert model._native.failed is not None
+    # the first step took the twin's (shifted) logits, the later ones the layer-by-layer forward
+    torch.testing.assert_close(got[0], want[0] + 1.0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _shifted(fn):
+    def shifted(*args):
+        return fn(*args) + 1.0
+
+    return shifted
+
+
+def test_native_step_off_by_setting(ops, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", "0")
+    step = _model()._native
+    assert step is not None and step.ops() is None
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", "1")
+    assert step.ops() is ops
