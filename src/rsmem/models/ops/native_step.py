@@ -29,13 +29,14 @@ from rsmem.kernels.build import loaded_native_ops
 from rsmem.models.ops.fused import SmallRows
 from rsmem.models.ops.quantized import QuantMatrix
 
-# The first call's check: logits and states within this of the twin's (relative to the largest magnitude).
-# The op and the twin take the same product kernels, so with float matrices only the mixer's summation order
-# differs. Quantized matrices' int8 routes quantize the activations (llama.cpp's Q8_K), so a difference in
-# the last bit can move a value to the next integer step: a random 130M Q4_K_M model's logits then differ
-# by ~1e-2 after one token (the compiled step against the eager one too, a few tokens on); a wrong layout
-# or operand gives differences of order 1.
-CHECK_TOLERANCE = 1e-4
+# The first call's check: logits and states within this of the twin's (relative to the largest magnitude);
+# a wrong layout or operand gives differences of order 1. With float matrices the op and the twin differ
+# only in summation order (their products are the same kernel but dt_proj's and the mixer's): the random 130M
+# Mamba's first token differed by 1.05e-4 of its largest logit. Quantized matrices' int8 routes quantize
+# the activations (llama.cpp's Q8_K), so a difference in a last bit can move a value to the next integer
+# step: a random 130M Q4_K_M Mamba-2's logits then differ by ~1e-2 after one token (the compiled step
+# against the eager one too, a few tokens on).
+CHECK_TOLERANCE = 1e-3
 QUANTIZED_CHECK_TOLERANCE = 0.1
 # qtypes whose products keep float32 activations: float32 rows (-1), F16, BF16
 FLOAT_QTYPES = (-1, int(gguf.GGMLQuantizationType.F16), int(gguf.GGMLQuantizationType.BF16))
