@@ -197,3 +197,14 @@ def test_native_step_off_by_setting(ops, monkeypatch: pytest.MonkeyPatch) -> Non
     assert step is not None and step.ops() is None
     monkeypatch.setenv("RSMEM_NATIVE_STEP", "1")
     assert step.ops() is ops
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k_m"])
+def test_quantized_model_passes_its_check(ops, qtype: str) -> None:
+    """The first call's check compares one layer of each kind of matrices, so the int8 routes' rounding does
+    not compound through the depth into a refusal."""
+    model = rsmem.load_model(QUANT / "mamba2" / f"model-{qtype}.gguf", compile="0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _decode(model, steps=2)
+    assert model._native._checked and model._native.failed is None
