@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from step_helpers import assert_decode_matches_forward, assert_matches_twin, decode, one_step_args
 
 import rsmem
 from rsmem.engine import default_model_path
@@ -76,48 +77,9 @@ def _model(seed: int = 5):
     return random_mamba2(cfg, seed=seed)
 
 
-def _decode(model, steps: int = 5) -> list[torch.Tensor]:
-    """A 9-token prompt, then one-token steps of one sequence: every step's logits, then the state rows."""
-    ctx = rsmem.Context(model, n_seq_max=2)
-    ctx.decode(rsmem.Batch(list(range(1, 10)), seq_ids=[[0]] * 9))
-    out = []
-    for k in range(steps):
-        ctx.decode(rsmem.Batch([(5 * k + 3) % 80], seq_ids=[[0]]))
-        out.append(ctx.logits.clone())
-    return out + [t.clone() for t in (*ctx.memory.r_l, *ctx.memory.s_l)]
-
-
 def test_model_decode_matches_the_layer_by_layer_forward(ops, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model()
-    model.set_compile(False)
-    monkeypatch.setenv("RSMEM_NATIVE_STEP", "0")
-    want = _decode(model)
-    monkeypatch.setenv("RSMEM_NATIVE_STEP", "1")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a failed check would fall back with a warning
-        got = _decode(model)
-    assert model._native is not None and model._native._checked and model._native.failed is None
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-def _one_step_args(model):
-    head, weights = model.one_sequence_args()
-    gen = torch.Generator().manual_seed(1)
-    states = [
-        model.state_views(
-            torch.randn(1, model.n_embd_r, generator=gen), torch.randn(1, model.n_embd_s, generator=gen), 1
-        )
-        for _ in range(model.n_layer)
-    ]
-    flat = [t for w, v in zip(weights, states, strict=True) for t in (*w, *v)]
-    x = torch.randn(1, model.config.d_model, generator=gen)
-    return x, head, flat
-
-
-def _copy_states(model, flat: list) -> list:
-    n = len(flat) // model.n_layer
-    return [t.clone() if i % n >= n - 2 else t for i, t in enumerate(flat)]
+    assert_decode_matches_forward(model, monkeypatch)
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"])
@@ -125,29 +87,16 @@ def test_quantized_step_matches_its_twin(ops, qtype: str) -> None:
     """llama.cpp's tiny quantized Mamba-2 files: the op against the compiled step's function on the same
     states, one token (the products are the same kernel; the activations' int8 rounding can differ in a
     last bit, so the bound is that of the first call's check, and the typical difference is far below)."""
-    path = QUANT / "mamba2" / f"model-{qtype}.gguf"
-    model = rsmem.load_model(path, compile="0")
-    step = model._native
-    assert step is not None
-    x, head, flat = _one_step_args(model)
-    mine, theirs = _copy_states(model, flat), _copy_states(model, flat)
-    eps = model.config.eps
-    got = step(x, model.norm_f, head, eps, *mine)
-    want = step.twin(x, model.norm_f, head, eps, *theirs)
-    scale = float(want.abs().max())
-    assert float((got - want).abs().max()) <= 1e-3 * scale
-    for a, b in zip(mine, theirs, strict=True):
-        if a is not b:
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max()))
+    assert_matches_twin(rsmem.load_model(QUANT / "mamba2" / f"model-{qtype}.gguf", compile="0"), 1e-3)
 
 
 def test_embedded_model_f16_decode_matches_the_forward(ops, monkeypatch: pytest.MonkeyPatch) -> None:
     """The embedded model keeps its F16 matrices 2 bytes a value: widened in registers, float32 sums."""
     model = rsmem.load_model(default_model_path(), compile="0")
     monkeypatch.setenv("RSMEM_NATIVE_STEP", "0")
-    want = _decode(model)
+    want = decode(model)
     monkeypatch.setenv("RSMEM_NATIVE_STEP", "1")
-    got = _decode(model)
+    got = decode(model)
     assert model._native._checked and model._native.failed is None
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -156,7 +105,7 @@ def test_embedded_model_f16_decode_matches_the_forward(ops, monkeypatch: pytest.
 def test_step_rejects_a_bad_layer_before_writing(ops) -> None:
     """A wrong state in the last layer: a ValueError naming it, and no layer's state written."""
     model = _model()
-    x, head, flat = _one_step_args(model)
+    x, head, flat = one_step_args(model)
     n = len(flat) // model.n_layer
     flat[-1] = flat[-1][:, :, :, :-1].contiguous()  # the last layer's h, one value short a row
     before = [t.clone() for i, t in enumerate(flat) if i % n >= n - 2]
@@ -172,11 +121,11 @@ def test_a_failed_check_keeps_the_other_step(ops, monkeypatch: pytest.MonkeyPatc
     model = _model()
     model.set_compile(False)
     monkeypatch.setenv("RSMEM_NATIVE_STEP", "0")
-    want = _decode(model)
+    want = decode(model)
     monkeypatch.setenv("RSMEM_NATIVE_STEP", "1")
     model._native.twin = _shifted(model._native.twin)
     with pytest.warns(RuntimeWarning, match="C\\+\\+ decode step mamba2_step_one is not used"):
-        got = _decode(model)
+        got = decode(model)
     assert model._native.failed is not None
     # the first step took the twin's (shifted) logits, the later ones the layer-by-layer forward
     torch.testing.assert_close(got[0], want[0] + 1.0, rtol=1e-5, atol=1e-5)
@@ -206,5 +155,5 @@ def test_quantized_model_passes_its_check(ops, qtype: str) -> None:
     model = rsmem.load_model(QUANT / "mamba2" / f"model-{qtype}.gguf", compile="0")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        _decode(model, steps=2)
+        decode(model, steps=2)
     assert model._native._checked and model._native.failed is None

@@ -85,17 +85,7 @@ at::Tensor mixer(const at::Tensor& zxbcdt, at::Tensor& window, const at::Tensor&
   const int64_t ld = zxbcdt.stride(0);
   for (int64_t b = 0; b < Bs; ++b) {
     const float* row = zp + b * ld;
-    for (int64_t c = 0; c < C; ++c) {  // the causal conv over the window then this token; the window moves
-      float* wc = win + (b * C + c) * (K - 1);
-      const float* kc = cw + c * K;
-      const float v = row[d_inner + c];
-      float acc = cb[c];
-      for (int64_t k = 0; k < K - 1; ++k) acc += kc[k] * wc[k];
-      acc += kc[K - 1] * v;
-      for (int64_t k = 0; k + 1 < K - 1; ++k) wc[k] = wc[k + 1];
-      wc[K - 2] = v;
-      xp[b * C + c] = silu(acc);
-    }
+    step::conv_silu_token(row + d_inner, win + b * C * (K - 1), cw, cb, xp + b * C, C, K);
     for (int64_t hh = 0; hh < H; ++hh) dtp[b * H + hh] = softplus(row[d_inner + C + hh] + dtb[hh]);
   }
   // heads of every sequence, each state row updated and read once: h = h dA + (x dt) B; y = h . C + D x
@@ -185,9 +175,7 @@ at::Tensor mamba2_step_one(const at::Tensor& x_in, at::TensorList layers, at::In
     const at::Tensor zxbcdt = product(u, t[1], qtypes[2 * il]);
     at::Tensor window = t[9], h = t[10];
     const at::Tensor y = mixer(zxbcdt, window, t[2], t[3], t[4], t[5], t[6], t[7], h, n_group, eps);
-    const at::Tensor out = product(y, t[8], qtypes[2 * il + 1]);
-    const float* op = out.data_ptr<float>();
-    for (int64_t j = 0; j < dm; ++j) xp[j] += op[j];
+    step::add_product(xp, y, t[8], qtypes[2 * il + 1], dm);
   }
   rms_norm_row(xp, norm_f.data_ptr<float>(), up, dm, feps);
   return product(u, head, head_qtype);

@@ -111,16 +111,7 @@ at::Tensor mamba_step_one(const at::Tensor& x_in, at::TensorList layers, at::Int
     at::Tensor xc = at::empty({1, D}, x.options());
     float *xcp = xc.data_ptr<float>(), *win = t[10].data_ptr<float>();
     const float *cw = t[2].data_ptr<float>(), *cb = t[3].data_ptr<float>();
-    for (int64_t d = 0; d < D; ++d) {  // the causal conv over the window then this token; the window moves
-      float* wd = win + d * (K - 1);
-      const float* kd = cw + d * K;
-      float acc = cb[d];
-      for (int64_t k = 0; k < K - 1; ++k) acc += kd[k] * wd[k];
-      acc += kd[K - 1] * xzp[d];
-      for (int64_t k = 0; k + 1 < K - 1; ++k) wd[k] = wd[k + 1];
-      wd[K - 2] = xzp[d];
-      xcp[d] = silu(acc);
-    }
+    step::conv_silu_token(xzp, win, cw, cb, xcp, D, K);
     const at::Tensor dbc = product(xc, t[4], qtypes[3 * il + 1]);  // [1, R + 2N]: dt, B, C
     const at::Tensor dt = product(dbc.narrow(1, 0, R).contiguous(), t[5], -1);
     const float *dtp = dt.data_ptr<float>(), *Bp = dbc.data_ptr<float>() + R, *Cp = Bp + N;
@@ -135,9 +126,7 @@ at::Tensor mamba_step_one(const at::Tensor& x_in, at::TensorList layers, at::Int
         yp[d] = (hc + Dp[d] * xcp[d]) * silu(xzp[D + d]);
       }
     });
-    const at::Tensor out = product(y, t[9], qtypes[3 * il + 2]);
-    const float* op = out.data_ptr<float>();
-    for (int64_t j = 0; j < dm; ++j) xp[j] += op[j];
+    step::add_product(xp, y, t[9], qtypes[3 * il + 2], dm);
   }
   rms_norm_row(xp, norm_f.data_ptr<float>(), up, dm, feps);
   return product(u, head, head_qtype);

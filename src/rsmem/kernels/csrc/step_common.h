@@ -55,6 +55,22 @@ inline void check_matrix(const char* op, const at::Tensor& w, int64_t qtype, int
   }
 }
 
+// One token of a causal depthwise convolution and SiLU over C channels: out[c] = silu(bias[c] + w[c] .
+// (window[c], in[c])) with w [C, K] and window [C, K-1] (oldest first), which then moves by one (in[c] last).
+inline void conv_silu_token(const float* __restrict in, float* __restrict window, const float* __restrict w,
+                            const float* __restrict bias, float* __restrict out, int64_t C, int64_t K) {
+  for (int64_t c = 0; c < C; ++c) {
+    float* wc = window + c * (K - 1);
+    const float* kc = w + c * K;
+    float acc = bias[c];
+    for (int64_t k = 0; k < K - 1; ++k) acc += kc[k] * wc[k];
+    acc += kc[K - 1] * in[c];
+    for (int64_t k = 0; k + 1 < K - 1; ++k) wc[k] = wc[k + 1];
+    wc[K - 2] = in[c];
+    out[c] = silu(acc);
+  }
+}
+
 // x [1, K] @ W^T for a checked matrix (check_matrix)
 inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
   if (qtype < 0) {
@@ -68,6 +84,13 @@ inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
                              .findSchemaOrThrow(RSMEM_NAME(RSMEM_OPS_NS) "::qmatmul", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t)>();
   return op.call(x, w, qtype, x.size(1), -1);
+}
+
+// the residual: x[0:n] += (y @ W^T)[0:n]
+inline void add_product(float* __restrict x, const at::Tensor& y, const at::Tensor& w, int64_t qtype, int64_t n) {
+  const at::Tensor out = product(y, w, qtype);
+  const float* op = out.data_ptr<float>();
+  for (int64_t j = 0; j < n; ++j) x[j] += op[j];
 }
 
 }  // namespace step
