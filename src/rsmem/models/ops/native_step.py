@@ -51,6 +51,14 @@ def native_matrix(matrix: Any) -> tuple[torch.Tensor, int] | None:
     return None
 
 
+def _taken(matrix: Any) -> tuple[torch.Tensor, int]:
+    """:func:`native_matrix` of a matrix the op must take (:meth:`NativeStep.accepts` said so)."""
+    found = native_matrix(matrix)
+    if found is None:
+        raise ValueError(f"the C++ step takes no {type(matrix).__name__} of this layout as a matrix")
+    return found
+
+
 def _qtype(matrix: Any) -> int | None:
     found = native_matrix(matrix)
     return None if found is None else found[1]
@@ -122,12 +130,12 @@ class NativeStep:
         tensors, qtypes = [], []
         for i, t in enumerate(flat):
             if i % self.n_fields in self.matrices:
-                w, q = native_matrix(t)  # type: ignore[misc]
+                w, q = _taken(t)
                 tensors.append(w)
                 qtypes.append(q)
             else:
                 tensors.append(t)
-        head_w, head_q = native_matrix(head)  # type: ignore[misc]
+        head_w, head_q = _taken(head)
         return tensors, qtypes, head_w, head_q
 
     def _operands(
