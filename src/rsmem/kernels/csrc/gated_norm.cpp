@@ -28,32 +28,6 @@
 namespace rsmem {
 namespace {
 
-// gz = y * silu(z) over n values (y itself when z is null); returns the sum of gz^2
-inline float gate_row(const float* __restrict y, const float* __restrict z, float* __restrict gz, int64_t n) {
-  int64_t j = 0;
-  float ss = 0.f;
-#if defined(__AVX512F__)
-  const __m512 one = _mm512_set1_ps(1.f);
-  __m512 acc = _mm512_setzero_ps();
-  for (; j + 16 <= n; j += 16) {
-    __m512 g = _mm512_loadu_ps(y + j);
-    if (z != nullptr) {
-      const __m512 zv = _mm512_loadu_ps(z + j);
-      g = _mm512_mul_ps(g, _mm512_div_ps(zv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), zv)))));
-    }
-    _mm512_storeu_ps(gz + j, g);
-    acc = _mm512_fmadd_ps(g, g, acc);
-  }
-  ss = _mm512_reduce_add_ps(acc);
-#endif
-  for (; j < n; ++j) {
-    const float g = z != nullptr ? y[j] * (z[j] / (1.f + std::exp(-z[j]))) : y[j];
-    gz[j] = g;
-    ss += g * g;
-  }
-  return ss;
-}
-
 // the spacing of the token rows of a [Bs, L, D] tensor with unit stride over D, else -1 (not evenly spaced)
 int64_t row_stride(const at::Tensor& t) {
   if (t.dim() != 3 || t.stride(2) != 1) return -1;

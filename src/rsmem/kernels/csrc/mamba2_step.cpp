@@ -27,6 +27,7 @@
 
 #include "pool.h"
 #include "step_common.h"
+#include "vec_math.h"
 
 namespace rsmem {
 namespace {
@@ -35,15 +36,15 @@ using step::check_f32;
 using step::check_matrix;
 using step::product;
 using step::rms_norm_row;
-using step::silu;
 using step::softplus;
 
 constexpr const char* kOp = "mamba2 step";
 
-// The mixer's operands, checked before anything is written: h [Bs, H, P, N]; returns conv_dim.
-int64_t check_mixer(const at::Tensor& zxbcdt, const at::Tensor& window, const at::Tensor& conv_weight,
-                    const at::Tensor& conv_bias, const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D,
-                    const at::Tensor& ssm_norm, const at::Tensor& h, int64_t n_group) {
+// The mixer's tensors but its input, checked before anything is written: h [Bs, H, P, N]; returns the width
+// of in_proj's output (z, xBC, dt) that goes with them.
+int64_t check_mixer(const at::Tensor& window, const at::Tensor& conv_weight, const at::Tensor& conv_bias,
+                    const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D, const at::Tensor& ssm_norm,
+                    const at::Tensor& h, int64_t n_group) {
   TORCH_CHECK_VALUE(h.dim() == 4, "mamba2 step: h must be [Bs, H, P, N], got ", h.sizes());
   const int64_t Bs = h.size(0), H = h.size(1), P = h.size(2), N = h.size(3), d_inner = H * P;
   TORCH_CHECK_VALUE(n_group > 0 && H % n_group == 0, "mamba2 step: n_group must divide the heads");
@@ -59,12 +60,7 @@ int64_t check_mixer(const at::Tensor& zxbcdt, const at::Tensor& window, const at
   check_f32(kOp, A, H, "A");
   check_f32(kOp, D, H, "D");
   check_f32(kOp, ssm_norm, d_inner, "ssm_norm");
-  const int64_t width = d_inner + C + H;
-  TORCH_CHECK_VALUE(zxbcdt.scalar_type() == at::kFloat && zxbcdt.dim() == 2 && zxbcdt.size(0) == Bs &&
-                        zxbcdt.size(1) == width && zxbcdt.stride(1) == 1,
-                    "mamba2 step: zxbcdt must be float32 [", Bs, ", ", width, "] with unit stride, got ",
-                    zxbcdt.sizes());
-  return C;
+  return d_inner + C + H;
 }
 
 // the mixer on checked operands (check_mixer)
@@ -75,7 +71,7 @@ at::Tensor mixer(const at::Tensor& zxbcdt, at::Tensor& window, const at::Tensor&
   const int64_t C = conv_weight.size(0), K = conv_weight.size(1);
   const int64_t G = n_group, rep = H / G, Dg = d_inner / G;
   at::Tensor xbc = at::empty({Bs, C}, zxbcdt.options());     // after the conv and SiLU
-  at::Tensor y = at::empty({Bs, d_inner}, zxbcdt.options());  // before the norm, then the result
+  at::Tensor y = at::empty({Bs, d_inner}, zxbcdt.options());  // before the norm
   at::Tensor dts = at::empty({Bs, H}, zxbcdt.options());
   const float *zp = zxbcdt.data_ptr<float>(), *cw = conv_weight.data_ptr<float>(), *cb = conv_bias.data_ptr<float>();
   const float *dtb = dt_bias.data_ptr<float>(), *Ap = A.data_ptr<float>(), *Dp = D.data_ptr<float>();
@@ -99,42 +95,33 @@ at::Tensor mixer(const at::Tensor& zxbcdt, at::Tensor& window, const at::Tensor&
       const float* Cv = xp + b * C + d_inner + G * N + g * N;
       float* st = hp + i * P * N;
       float* yo = yp + b * d_inner + hh * P;
-      for (int64_t p = 0; p < P; ++p) {
-        float* s = st + p * N;
-        const float xdt = x[p] * dt;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t n = 0; n < N; ++n) {
-          const float v = s[n] * dA + xdt * B[n];
-          s[n] = v;
-          acc += v * Cv[n];
-        }
-        yo[p] = acc + d * x[p];
-      }
+      for (int64_t p = 0; p < P; ++p) yo[p] = update_row(st + p * N, B, Cv, N, dA, x[p] * dt) + d * x[p];
     }
   });
   // gated group RMS norm: g = y * silu(z), each group scaled by 1 / rms, times the norm's weight
+  at::Tensor out = at::empty({Bs, d_inner}, zxbcdt.options());
+  float* op = out.data_ptr<float>();
   for (int64_t b = 0; b < Bs; ++b) {
-    const float* z = zp + b * ld;
-    float* yr = yp + b * d_inner;
     for (int64_t g = 0; g < G; ++g) {
-      float ss = 0.f;
-      for (int64_t j = g * Dg; j < (g + 1) * Dg; ++j) {
-        yr[j] *= silu(z[j]);
-        ss += yr[j] * yr[j];
-      }
+      const int64_t off = b * d_inner + g * Dg;
+      float* og = op + off;
+      const float ss = gate_row(yp + off, zp + b * ld + g * Dg, og, Dg);
       const float scale = 1.f / std::sqrt(ss / static_cast<float>(Dg) + static_cast<float>(eps));
-      for (int64_t j = g * Dg; j < (g + 1) * Dg; ++j) yr[j] = yr[j] * scale * nw[j];
+      for (int64_t j = 0; j < Dg; ++j) og[j] = og[j] * scale * nw[g * Dg + j];
     }
   }
-  return y;
+  return out;
 }
 
 at::Tensor mamba2_mixer_one_(const at::Tensor& zxbcdt, at::Tensor& window, const at::Tensor& conv_weight,
                              const at::Tensor& conv_bias, const at::Tensor& dt_bias, const at::Tensor& A,
                              const at::Tensor& D, const at::Tensor& ssm_norm, at::Tensor& h, int64_t n_group,
                              double eps) {
-  check_mixer(zxbcdt, window, conv_weight, conv_bias, dt_bias, A, D, ssm_norm, h, n_group);
+  const int64_t width = check_mixer(window, conv_weight, conv_bias, dt_bias, A, D, ssm_norm, h, n_group);
+  TORCH_CHECK_VALUE(zxbcdt.scalar_type() == at::kFloat && zxbcdt.dim() == 2 && zxbcdt.size(0) == h.size(0) &&
+                        zxbcdt.size(1) == width && zxbcdt.stride(1) == 1,
+                    "mamba2 step: zxbcdt must be float32 [", h.size(0), ", ", width, "] with unit stride, got ",
+                    zxbcdt.sizes());
   return mixer(zxbcdt, window, conv_weight, conv_bias, dt_bias, A, D, ssm_norm, h, n_group, eps);
 }
 
@@ -155,11 +142,9 @@ at::Tensor mamba2_step_one(const at::Tensor& x_in, at::TensorList layers, at::In
     check_f32(kOp, t[0], dm, "norm");
     TORCH_CHECK_VALUE(t[10].dim() == 4 && t[10].size(0) == 1, "mamba2 step: h must be [1, H, P, N], got ",
                       t[10].sizes());
-    const int64_t d_inner = t[10].size(1) * t[10].size(2), C = t[2].dim() == 2 ? t[2].size(0) : 0;
-    check_matrix(kOp, t[1], qtypes[2 * il], d_inner + C + t[10].size(1), dm, "in_proj");
-    check_matrix(kOp, t[8], qtypes[2 * il + 1], dm, d_inner, "out_proj");
-    const at::Tensor zxbcdt_shape = at::empty({1, d_inner + C + t[10].size(1)}, x_in.options());
-    check_mixer(zxbcdt_shape, t[9], t[2], t[3], t[4], t[5], t[6], t[7], t[10], n_group);
+    const int64_t width = check_mixer(t[9], t[2], t[3], t[4], t[5], t[6], t[7], t[10], n_group);
+    check_matrix(kOp, t[1], qtypes[2 * il], width, dm, "in_proj");
+    check_matrix(kOp, t[8], qtypes[2 * il + 1], dm, t[10].size(1) * t[10].size(2), "out_proj");
   }
   check_f32(kOp, norm_f, dm, "norm_f");
   TORCH_CHECK_VALUE(head.dim() == 2, "mamba2 step: head must be a matrix, got ", head.sizes());

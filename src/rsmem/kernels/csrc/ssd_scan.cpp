@@ -23,40 +23,10 @@
 #include <tuple>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace rsmem {
 namespace {
-
-// One state row [N]: row = row * dA + xdt * B; returns row . C (the row after the update).
-inline float update_row(float* __restrict row, const float* __restrict Bt, const float* __restrict Ct,
-                        int64_t N, float dA, float xdt) {
-  int64_t n = 0;
-  float acc = 0.f;
-#if defined(__AVX512F__)
-  const __m512 vdA = _mm512_set1_ps(dA), vx = _mm512_set1_ps(xdt);
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  for (; n + 32 <= N; n += 32) {
-    __m512 v0 = _mm512_fmadd_ps(_mm512_loadu_ps(row + n), vdA, _mm512_mul_ps(vx, _mm512_loadu_ps(Bt + n)));
-    __m512 v1 = _mm512_fmadd_ps(_mm512_loadu_ps(row + n + 16), vdA,
-                                _mm512_mul_ps(vx, _mm512_loadu_ps(Bt + n + 16)));
-    _mm512_storeu_ps(row + n, v0);
-    _mm512_storeu_ps(row + n + 16, v1);
-    a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(Ct + n), a0);
-    a1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(Ct + n + 16), a1);
-  }
-  for (; n + 16 <= N; n += 16) {
-    __m512 v0 = _mm512_fmadd_ps(_mm512_loadu_ps(row + n), vdA, _mm512_mul_ps(vx, _mm512_loadu_ps(Bt + n)));
-    _mm512_storeu_ps(row + n, v0);
-    a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(Ct + n), a0);
-  }
-  acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-#endif
-  for (; n < N; ++n) {
-    const float v = row[n] * dA + xdt * Bt[n];
-    row[n] = v;
-    acc += v * Ct[n];
-  }
-  return acc;
-}
 
 std::tuple<at::Tensor, at::Tensor> ssd_scan_(const at::Tensor& x_, const at::Tensor& dt_, const at::Tensor& A_,
                                              const at::Tensor& B_, const at::Tensor& C_, const at::Tensor& D_,

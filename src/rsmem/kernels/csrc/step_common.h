@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "rows_kernel.h"
+#include "vec_math.h"
 
 #ifndef RSMEM_OPS_NS
 #define RSMEM_OPS_NS rsmem_native
@@ -25,12 +26,11 @@ inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
 
-// out = x / sqrt(mean(x^2) + eps) * w over n values
-inline void rms_norm_row(const float* __restrict x, const float* __restrict w, float* __restrict out, int64_t n, float eps) {
-  float ss = 0.f;
-  for (int64_t j = 0; j < n; ++j) ss += x[j] * x[j];
-  const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t j = 0; j < n; ++j) out[j] = x[j] * scale * w[j];
+// out = x / sqrt(mean(x^2) + eps) * w over n values (gate_row without a gate gives the sum of squares)
+inline void rms_norm_row(const float* __restrict x, const float* __restrict w, float* __restrict out, int64_t n,
+                         float eps) {
+  const float scale = 1.f / std::sqrt(gate_row(x, nullptr, out, n) / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) out[j] = out[j] * scale * w[j];
 }
 
 inline void check_f32(const char* op, const at::Tensor& t, int64_t numel, const char* what) {
