@@ -15,19 +15,11 @@ from step_helpers import assert_decode_matches_forward, assert_matches_twin, dec
 
 import rsmem
 from rsmem.engine import default_model_path
-from rsmem.kernels.build import native_ops
 from rsmem.models.mamba2 import Mamba2Config
 from rsmem.models.ops.fused import mamba2_mixer_step_
 from rsmem.models.random_init import random_mamba2
 
 QUANT = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "quant"
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = native_ops()
-    assert ops is not None, "the C++ kernels must build here"
-    return ops
 
 
 def _mixer_operands(bs: int, h: int, p: int, n: int, g: int, k: int, seed: int = 0):

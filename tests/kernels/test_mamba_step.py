@@ -17,18 +17,10 @@ from step_helpers import (
 )
 
 import rsmem
-from rsmem.kernels.build import native_ops
 from rsmem.models.mamba import MambaConfig
 from rsmem.models.random_init import random_mamba
 
 QUANT = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "quant"
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = native_ops()
-    assert ops is not None, "the C++ kernels must build here"
-    return ops
 
 
 def _model(seed: int = 4):
