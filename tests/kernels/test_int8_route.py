@@ -86,7 +86,7 @@ def test_twin_bound_detects_a_wrong_layout(qtype: Q) -> None:
 
 
 # the most rows each type takes route 3 for (csrc/qmatmul.cpp's int8_registers_max_m); beyond, route 4
-REGISTERS_MAX_M = {Q.Q4_K: 6, Q.Q5_K: 6, Q.Q6_K: 24, **dict.fromkeys((Q.Q8_0, Q.Q4_0), SMALL_REGISTERS_MAX_M)}
+REGISTERS_MAX_M = {Q.Q4_K: 8, Q.Q5_K: 8, Q.Q6_K: 24, **dict.fromkeys((Q.Q8_0, Q.Q4_0), SMALL_REGISTERS_MAX_M)}
 
 
 @pytest.mark.parametrize("qtype", ALL_INT8, ids=lambda t: t.name)

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
@@ -29,7 +29,11 @@ constexpr int64_t kTaskBytes = 1 << 20;
 inline float f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(h);  // the same value as the portable conversion, in one instruction
+#else
   return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
 }
 
 // The eight 6-bit scales and mins of a Q4_K / Q5_K block (ggml's get_scale_min_k4).

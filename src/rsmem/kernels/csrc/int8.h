@@ -8,8 +8,12 @@
 //   dx * d * sum_s sc_s * sum_{i in s} q_i a_i  -  sum_s c_s * dx * sum_{i in s} a_i
 // the first sum in int32 (vpmaddubsw: u8 x s8 pairs to int16, exact here as |2 * 63 * 127| < 2^15;
 // vpdpwssd: times the int16 scales into int32), the second from the activations' sums of 16.
-// Chunks of 64 values: Q4_K / Q5_K chunk c holds sub-blocks 2c and 2c + 1 (the low and high nibbles of the
-// same 32 bytes); Q6_K chunk c holds values 64c .. 64c + 63 in order (sub-blocks 4c .. 4c + 3).
+// Chunks of 64 values: Q5_K chunk c holds sub-blocks 2c and 2c + 1 (the low and high nibbles of the same 32
+// bytes); Q4_K's chunks pair them across 64 bytes instead (k4_at: activations stored in that order); Q6_K
+// chunk c holds values 64c .. 64c + 63 in order (sub-blocks 4c .. 4c + 3).
+// The scales and mins are unpacked in vector registers and d, dmin by F16C: the scalar unpacking (whose four
+// words were read back as one vector, a failed store forward) held Q4_K's one-row product at 9.6 GB/s a
+// thread here, against 16.4 after ([50280, 768], one thread, in cache; Q6_K 18.2 -> 20.0 by F16C alone).
 #pragma once
 
 #include "blocks.h"
@@ -40,9 +44,16 @@ struct alignas(64) ABlock {
   float d;
 };
 
+// Where the j-th 16 activations of a block go in Q4_K's order (`k4_order`): each 128 values as sub-blocks of
+// 32 [0, 2, 1, 3] (Int8<Q4_K>: one 64-byte load holds sub-blocks 0 and 2 as low nibbles, 1 and 3 as high).
+constexpr int k4_at(int j) {
+  constexpr int slot[4] = {0, 2, 1, 3};
+  return 128 * (j / 8) + 32 * slot[(j / 2) % 4] + 16 * (j % 2);
+}
+
 // Quantize M rows of K float32 activations (K a multiple of 256) to ABlocks (llama.cpp's Q8_K: d = amax /
 // 127, q = round(x / d), rounding to nearest even).
-inline void quantize_rows(const float* x, int64_t M, int64_t K, ABlock* out) {
+inline void quantize_rows(const float* x, int64_t M, int64_t K, ABlock* out, bool k4_order) {
   const int64_t nb = K / 256;
   pool::parallel_for(0, M * nb, 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -65,7 +76,7 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, ABlock* out) {
       for (int j = 0; j < 16; ++j) {
         const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * j), is));
         const __m128i q8 = _mm512_cvtsepi32_epi8(q);
-        _mm_store_si128((__m128i*)(o.q + 16 * j), q8);
+        _mm_store_si128((__m128i*)(o.q + (k4_order ? k4_at(j) : 16 * j)), q8);
         _mm_store_si128((__m128i*)(o.qu + 16 * j), _mm_xor_si128(q8, _mm_set1_epi8(static_cast<char>(0x80))));
         sums[j] = _mm512_reduce_add_epi32(q);
       }
@@ -109,12 +120,14 @@ inline void quantize_rows_per32(const float* x, int64_t M, int64_t K, ABlock* ou
 // kQ6Idx[c][l] (Q6_K); kMinIdx: the min of each sub-block of 16 (lanes 8..15 of the decoded scales).
 struct IdxTables {
   alignas(64) int16_t k4[4][32];
+  alignas(64) int16_t k4o[4][32];
   alignas(64) int16_t q6[4][32];
   alignas(64) int32_t min16[16];
-  constexpr IdxTables() : k4(), q6(), min16() {
+  constexpr IdxTables() : k4(), k4o(), q6(), min16() {
     for (int c = 0; c < 4; ++c)
       for (int l = 0; l < 32; ++l) {
         k4[c][l] = static_cast<int16_t>(2 * c + l / 16);
+        k4o[c][l] = static_cast<int16_t>(4 * (c / 2) + c % 2 + 2 * (l / 16));
         q6[c][l] = static_cast<int16_t>(4 * c + l / 8);
       }
     for (int s = 0; s < 16; ++s) min16[s] = 8 + s / 2;
@@ -134,22 +147,28 @@ struct Int8;
 
 // The eight 6-bit scales then the eight mins of a Q4_K / Q5_K block as 16 bytes (get_scale_min_k4).
 RSMEM_INLINE __m128i k4_scale_min(const uint8_t* blk) {
-  uint32_t u[3], v[4];
-  std::memcpy(u, blk + 4, 12);
-  v[0] = u[0] & 0x3f3f3f3f;
-  v[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-  v[2] = u[1] & 0x3f3f3f3f;
-  v[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-  return _mm_loadu_si128((const __m128i*)v);
+  // the 12 scale bytes as 32-bit words u0, u1, u2 (the 4 bytes after them are the block's first values,
+  // unused): v = [u0 & m6, (u2 & m4) | ((u0 >> 6) & 3) << 4, u1 & m6, ((u2 >> 4) & m4) | ((u1 >> 6) & 3) << 4]
+  const __m128i u = _mm_loadu_si128((const __m128i*)(blk + 4));
+  const __m128i low6 = _mm_and_si128(u, _mm_set1_epi8(0x3f));                                   // [v0, v2, .]
+  const __m128i top2 = _mm_and_si128(_mm_srli_epi32(u, 6), _mm_set1_epi8(0x03));                // [h0, h1, .]
+  const __m128i u2 = _mm_shuffle_epi32(u, 0xAA);
+  const __m128i m4 = _mm_set1_epi8(0x0f);
+  const __m128i nib = _mm_unpacklo_epi32(_mm_and_si128(u2, m4), _mm_and_si128(_mm_srli_epi32(u2, 4), m4));
+  const __m128i odd = _mm_or_si128(nib, _mm_slli_epi32(top2, 4));                               // [v1, v3, .]
+  return _mm_unpacklo_epi32(low6, odd);
 }
 
 RSMEM_INLINE void k4_const(const uint8_t* blk, WConst& w) {
   const __m128i sm = k4_scale_min(blk);
-  w.d = f16(blk);
+  int32_t d_dmin;
+  std::memcpy(&d_dmin, blk, 4);
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(d_dmin));  // d, dmin
+  w.d = _mm_cvtss_f32(dd);
   w.sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
   const __m512 all = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm));
   const __m512 mins = _mm512_permutexvar_ps(_mm512_load_si512(kIdx.min16), all);
-  w.c = _mm512_mul_ps(mins, _mm512_set1_ps(f16(blk + 2)));
+  w.c = _mm512_mul_ps(mins, _mm512_broadcastss_ps(_mm_movehdup_ps(dd)));
 }
 
 // 32 bytes as 64 nibbles: the low nibbles in the low half, the high ones in the high half.
@@ -159,21 +178,35 @@ RSMEM_INLINE __m512i nibbles64(const uint8_t* p) {
   return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
 }
 
+// Chunks in k4_at's order: chunk 2j holds the low nibbles of bytes [64j, 64j + 64) (sub-blocks 4j and
+// 4j + 2), chunk 2j + 1 their high nibbles (4j + 1 and 4j + 3): one load and no lane crossing for two.
 template <>
 struct Int8<Q4_K> {
+  static constexpr bool kK4Order = true;
   static RSMEM_INLINE void consts(const uint8_t* blk, WConst& w) { k4_const(blk, w); }
   template <int C>
   static RSMEM_INLINE __m512i chunk(const uint8_t* blk) {
-    return nibbles64(blk + 16 + 32 * C);
+    const __m512i b = _mm512_loadu_si512((const void*)(blk + 16 + 64 * (C / 2)));
+    return _mm512_and_si512(C % 2 ? _mm512_srli_epi16(b, 4) : b, _mm512_set1_epi8(0x0F));
   }
   template <int C>
   static RSMEM_INLINE __m512i scales(const WConst& w) {
-    return _mm512_permutexvar_epi16(_mm512_load_si512(kIdx.k4[C]), w.sc);
+    return _mm512_permutexvar_epi16(_mm512_load_si512(kIdx.k4o[C]), w.sc);
+  }
+  // values 64C .. 64C + 63 in order (route 4's panels, against activations in order)
+  template <int C>
+  static RSMEM_INLINE __m512i seq_chunk(const uint8_t* blk) {
+    return nibbles64(blk + 16 + 32 * C);
   }
 };
 
 template <>
 struct Int8<Q5_K> {
+  static constexpr bool kK4Order = false;
+  template <int C>
+  static RSMEM_INLINE __m512i seq_chunk(const uint8_t* blk) {
+    return chunk<C>(blk);
+  }
   static RSMEM_INLINE void consts(const uint8_t* blk, WConst& w) { k4_const(blk, w); }
   template <int C>
   static RSMEM_INLINE __m512i chunk(const uint8_t* blk) {
@@ -197,6 +230,11 @@ struct Int8<Q5_K> {
 
 template <>
 struct Int8<Q6_K> {
+  static constexpr bool kK4Order = false;
+  template <int C>
+  static RSMEM_INLINE __m512i seq_chunk(const uint8_t* blk) {
+    return chunk<C>(blk);
+  }
   static RSMEM_INLINE void consts(const uint8_t* blk, WConst& w) {
     const __m128i sc = _mm_loadu_si128((const __m128i*)(blk + 192));
     w.d = f16(blk + 208);
@@ -337,16 +375,26 @@ void matmul_nr(const ABlock* a, const uint8_t* w, float* y, int64_t M, int64_t N
   });
 }
 
+// Whether route 3's tile for T reads activations in k4_at's order.
+template <class T>
+constexpr bool k4_order() {
+  if constexpr (T::BS == 256) {
+    return Int8<T>::kK4Order;
+  } else {
+    return false;
+  }
+}
+
 // M rows of K activations quantized (quantize_rows, or per 32 values) into `buf`'s storage, 64-byte aligned.
 inline ABlock* quantized(const float* x, int64_t M, int64_t K, at::Tensor& buf, bool per32 = false,
-                         bool q4_order = false) {
+                         bool q4_order = false, bool k4_order = false) {
   buf = at::empty({static_cast<int64_t>(M * (K / 256) * sizeof(ABlock) + 64)}, at::kByte);
   const uintptr_t raw = reinterpret_cast<uintptr_t>(buf.data_ptr<uint8_t>());
   ABlock* a = reinterpret_cast<ABlock*>((raw + 63) & ~static_cast<uintptr_t>(63));
   if (per32) {
     quantize_rows_per32(x, M, K, a, q4_order);
   } else {
-    quantize_rows(x, M, K, a);
+    quantize_rows(x, M, K, a, k4_order);
   }
   return a;
 }
@@ -356,10 +404,11 @@ inline ABlock* quantized(const float* x, int64_t M, int64_t K, at::Tensor& buf, 
 template <class T>
 void matmul(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
   at::Tensor buf;
-  const ABlock* a = quantized(x, M, K, buf, T::BS == 32, std::is_same_v<T, Q4_0>);
+  const ABlock* a = quantized(x, M, K, buf, T::BS == 32, std::is_same_v<T, Q4_0>, k4_order<T>());
   if (M == 1) {
     // two weight rows at a time: weights streamed from memory (matrices of 60-120 MB, 1 thread, GB/s, 4 /
-    // 2 rows a group): Q6_K 10.4 / 16.1, Q8_0 12.6 / 20.9, Q4_K 15.9 / 15.2, Q5_K 17.6 / 17.7
+    // 2 rows a group): Q6_K 10.4 / 16.1, Q8_0 12.6 / 20.9, Q4_K 15.9 / 15.2, Q5_K 17.6 / 17.7; Q4_K after
+    // the vector unpacking, [50280, 768] in a 480 MiB L3: 15.7 / 16.4
     matmul_nr<T, 2, 1>(a, w, y, M, N, K);
   } else if (M == 2) {
     matmul_nr<T, 4, 2>(a, w, y, M, N, K);

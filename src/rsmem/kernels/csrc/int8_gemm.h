@@ -112,10 +112,10 @@ struct Panel {
           }
         }
       } else {
-        c[0][r] = Int8<T>::template chunk<0>(blk);
-        c[1][r] = Int8<T>::template chunk<1>(blk);
-        c[2][r] = Int8<T>::template chunk<2>(blk);
-        c[3][r] = Int8<T>::template chunk<3>(blk);
+        c[0][r] = Int8<T>::template seq_chunk<0>(blk);
+        c[1][r] = Int8<T>::template seq_chunk<1>(blk);
+        c[2][r] = Int8<T>::template seq_chunk<2>(blk);
+        c[3][r] = Int8<T>::template seq_chunk<3>(blk);
         Scales sc;
         T::scales(blk, sc);
         for (int s = 0; s < kSub; ++s) p.scf[s][r] = sc.a[s];
