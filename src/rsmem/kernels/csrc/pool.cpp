@@ -37,9 +37,15 @@ namespace {
 constexpr uint64_t kClosed = uint64_t{1} << 31;
 constexpr uint64_t kActive = kClosed - 1;
 constexpr int kMaxThreads = 255;  // the ticket's low byte
-constexpr std::chrono::microseconds kBusyYield{20};  // a yield this long ran another thread
+// A yield this long ran a neighbour: beside a CPU-bound process a yield lasts its slice (a millisecond or
+// more); on a quiet 2-core VM yields ran kernel threads for 38-99 us (median 63, once 404), and a 20 us
+// bound read each as a neighbour (45 times in 3 s, each stopping the spin for kBusyHold).
+constexpr std::chrono::microseconds kBusyYield{250};
 constexpr int64_t kCheckEvery = 1000000;             // ns between two reads of the preemption count
-constexpr int64_t kBusyHold = 50000000;              // ns without spinning after a preemption
+constexpr int64_t kWindow = 20000000;                // ns: preemptions are counted over windows this long
+constexpr long kBusyCount = 3;                       // at least this many in a window
+constexpr long kBusyRate = 100;                      // and at least this many a second mean a busy core
+constexpr int64_t kBusyHold = 50000000;              // ns without spinning after that
 
 struct Job {
   RangeFn fn;
@@ -63,7 +69,8 @@ struct Pool {
   uint64_t epoch = 0;
   std::atomic<int64_t> jobs{0};
   std::atomic<int64_t> checked_ns{0};     // preempted_lately's last read
-  std::atomic<long> nivcsw{0};            // and what it read
+  std::atomic<int64_t> window_ns{0};      // when its window began
+  std::atomic<long> window_nivcsw{0};     // and the count then
   std::atomic<int64_t> busy_until_ns{0};  // no spinning before this
 };
 
@@ -94,9 +101,13 @@ void work(Job& j) {
 }
 
 // Whether this process was preempted lately: its threads' involuntary context switches (getrusage, read at
-// most once a millisecond) grew within the last kBusyHold. On a core with nothing else to run a thread is
-// not preempted; beside a busy neighbour every slice ends that way. A spinning worker then only delays
-// itself (a runnable thread waits for the other's slice, a sleeper woken has the scheduler's preference).
+// most once a millisecond) came at kBusyRate a second or more over a window of at least kWindow, within the
+// last kBusyHold. Beside a busy neighbour every slice ends that way (hundreds a second); a spinning worker
+// then only delays itself (a runnable thread waits for the other's slice, a sleeper woken has the
+// scheduler's preference). A quiet machine preempts too, now and then (kernel threads, timers: 10-30 a
+// second on a 2-core VM), and reading any single one as a neighbour stopped the spin for 50 ms at a time:
+// there, Mamba Q4_K_M's one-sequence step slept and woke its worker 44 times a token (9.1 ms a step, against
+// 6.9-7.7 spinning).
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -107,8 +118,15 @@ bool preempted_lately(Pool& p) {
   if (now - p.checked_ns.load(std::memory_order_relaxed) >= kCheckEvery) {
     p.checked_ns.store(now, std::memory_order_relaxed);
     struct rusage ru;
-    if (getrusage(RUSAGE_SELF, &ru) == 0 && ru.ru_nivcsw != p.nivcsw.exchange(ru.ru_nivcsw)) {
-      p.busy_until_ns.store(now + kBusyHold, std::memory_order_relaxed);
+    if (getrusage(RUSAGE_SELF, &ru) == 0) {
+      const int64_t began = p.window_ns.load(std::memory_order_relaxed);
+      const long switches = ru.ru_nivcsw - p.window_nivcsw.load(std::memory_order_relaxed);
+      if (now - began >= kWindow) {
+        if (switches >= kBusyCount && switches * 1000000000 >= kBusyRate * (now - began))
+          p.busy_until_ns.store(now + kBusyHold, std::memory_order_relaxed);
+        p.window_ns.store(now, std::memory_order_relaxed);
+        p.window_nivcsw.store(ru.ru_nivcsw, std::memory_order_relaxed);
+      }
     }
   }
   return now < p.busy_until_ns.load(std::memory_order_relaxed);
