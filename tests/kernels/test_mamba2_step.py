@@ -69,17 +69,21 @@ def _model(seed: int = 5):
     return random_mamba2(cfg, seed=seed)
 
 
-def test_model_decode_matches_the_layer_by_layer_forward(ops, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("n_seqs", [1, 4])
+def test_model_decode_matches_the_layer_by_layer_forward(
+    ops, monkeypatch: pytest.MonkeyPatch, n_seqs: int
+) -> None:
     model = _model()
-    assert_decode_matches_forward(model, monkeypatch)
+    assert_decode_matches_forward(model, monkeypatch, n_seqs)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"])
-def test_quantized_step_matches_its_twin(ops, qtype: str) -> None:
+def test_quantized_step_matches_its_twin(ops, qtype: str, rows: int) -> None:
     """llama.cpp's tiny quantized Mamba-2 files: the op against the compiled step's function on the same
     states, one token (the products are the same kernel; the activations' int8 rounding can differ in a
     last bit, so the bound is that of the first call's check, and the typical difference is far below)."""
-    assert_matches_twin(rsmem.load_model(QUANT / "mamba2" / f"model-{qtype}.gguf", compile="0"), 1e-3)
+    assert_matches_twin(rsmem.load_model(QUANT / "mamba2" / f"model-{qtype}.gguf", compile="0"), 1e-3, rows)
 
 
 def test_embedded_model_f16_decode_matches_the_forward(ops, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +120,7 @@ def test_a_failed_check_keeps_the_other_step(ops, monkeypatch: pytest.MonkeyPatc
     want = decode(model)
     monkeypatch.setenv("RSMEM_NATIVE_STEP", "1")
     model._native.twin = _shifted(model._native.twin)
-    with pytest.warns(RuntimeWarning, match="C\\+\\+ decode step mamba2_step_one is not used"):
+    with pytest.warns(RuntimeWarning, match="C\\+\\+ decode step mamba2_step is not used"):
         got = decode(model)
     assert model._native.failed is not None
     # the first step took the twin's (shifted) logits, the later ones the layer-by-layer forward

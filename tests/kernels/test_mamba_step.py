@@ -1,7 +1,7 @@
-"""Mamba's one-token decode step in C++ (kernels/csrc/mamba_step.cpp through models/ops/native_step.py):
-the model's decode against its layer-by-layer forward (float32), the op against the compiled step's
-function run eagerly on llama.cpp's quantized files, and bad operands rejected before any state is
-written."""
+"""Mamba's one-token decode step in C++ (kernels/csrc/mamba_step.cpp through models/ops/native_step.py),
+for one and several sequences: the model's decode against its layer-by-layer forward (float32), the op
+against the compiled step's function run eagerly on llama.cpp's quantized files, and bad operands rejected
+before any state is written."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from step_helpers import (
     assert_decode_matches_forward,
     assert_matches_twin,
     copy_states,
+    decode,
     one_step_args,
 )
 
@@ -27,18 +28,40 @@ def _model(seed: int = 4):
     return random_mamba(MambaConfig(d_model=64, n_layer=3, n_vocab=80, d_state=16, dt_rank=5), seed=seed)
 
 
+@pytest.mark.parametrize("n_seqs", [1, 3])
 @pytest.mark.parametrize("d_state", [16, 12])  # whole AVX-512 vectors, and a scalar tail
 def test_model_decode_matches_the_layer_by_layer_forward(
-    ops, monkeypatch: pytest.MonkeyPatch, d_state: int
+    ops, monkeypatch: pytest.MonkeyPatch, d_state: int, n_seqs: int
 ) -> None:
     model = random_mamba(MambaConfig(d_model=64, n_layer=3, n_vocab=80, d_state=d_state, dt_rank=5), seed=4)
-    assert_decode_matches_forward(model, monkeypatch)
+    assert_decode_matches_forward(model, monkeypatch, n_seqs)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"])
-def test_quantized_step_matches_its_twin(ops, qtype: str) -> None:
+def test_quantized_step_matches_its_twin(ops, qtype: str, rows: int) -> None:
     """The products are the same kernels; the activations' int8 rounding can differ in a last bit."""
-    assert_matches_twin(rsmem.load_model(QUANT / "mamba" / f"model-{qtype}.gguf", compile="0"), 1e-3)
+    model = rsmem.load_model(QUANT / "mamba" / f"model-{qtype}.gguf", compile="0")
+    assert_matches_twin(model, 1e-3, rows)
+
+
+def test_more_sequences_than_the_step_takes_go_the_other_way(ops, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond MAX_ROWS sequences the op is not called; the decode matches the forward."""
+    from rsmem.models.ops import native_step
+
+    model = _model()
+    model.set_compile(False)
+    n_seqs = native_step.MAX_ROWS + 1
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", "0")
+    want = decode(model, n_seqs=n_seqs)
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", "1")
+    calls: list[int] = []
+    original = model._native._run
+    monkeypatch.setattr(model._native, "_run", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    got = decode(model, n_seqs=n_seqs)
+    assert calls == []
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_step_rejects_a_bad_layer_before_writing(ops) -> None:

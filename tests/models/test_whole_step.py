@@ -22,6 +22,13 @@ needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor
 QUANT = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "quant"
 
 
+@pytest.fixture(autouse=True)
+def compiled_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are of the compiled batched step: the C++ step (which takes up to 16 sequences where the
+    kernels are loaded) has its own tests (tests/kernels/test_mamba*_step.py)."""
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", "0")
+
+
 def _model(arch: str, seed: int = 7):
     if arch == "mamba":
         return random_mamba(MambaConfig(d_model=48, n_layer=3, n_vocab=96, d_state=8, dt_rank=4), seed=seed)

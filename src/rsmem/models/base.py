@@ -19,6 +19,7 @@ from rsmem.hugepages import huge_page_copies
 from rsmem.models.compiled import ONE_THREAD_GLUE, CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import CapturePoints, output_rows
 from rsmem.models.ops.fused import RowsOperand, token_step, token_step_many
+from rsmem.models.ops.native_step import MAX_ROWS as NATIVE_MAX_ROWS
 from rsmem.models.ops.native_step import NativeStep
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
@@ -164,17 +165,21 @@ class MambaFamilyModel:
         server's first requests do not wait for it; returns the seconds it took (0 when not compiling).
 
         Covers a one-sequence and a two-sequence prefill and decode: the batched variants have a dynamic
-        batch size, so every later width reuses them."""
+        batch size, so every later width reuses them. Where the C++ step takes the decode of up to
+        ``MAX_ROWS`` sequences, one decode of more compiles the batched step."""
         if not self.compile_decode:
             return 0.0
         from rsmem.context import Context  # imported here: rsmem.context imports the models package
 
         started = time.perf_counter()
-        ctx = Context(self, n_seq_max=2)
+        wide = NATIVE_MAX_ROWS + 1 if self._native is not None and self._native.usable() else 2
+        ctx = Context(self, n_seq_max=wide)
         ctx.decode(Batch([1] * 20, seq_ids=[[0]] * 20))
         ctx.decode(Batch([1] * 6, seq_ids=[[0]] * 3 + [[1]] * 3))
         ctx.decode(Batch([1], seq_ids=[[0]]))
         ctx.decode(Batch([1, 1], seq_ids=[[0], [1]], logits=[True, True]))
+        if wide > 2:
+            ctx.decode(Batch([1] * wide, seq_ids=[[s] for s in range(wide)], logits=[True] * wide))
         return time.perf_counter() - started
 
     def native_step(self) -> NativeStep | None:
@@ -232,7 +237,7 @@ class MambaFamilyModel:
         n_seqs, n_tokens = tokens.shape
         at = capture.points if capture is not None else ()
         if n_tokens == 1 and not at:
-            if n_seqs == 1 and self._rows_contiguous and self._native is not None and self._native.usable():
+            if self._rows_contiguous and self._native is not None and self._native.usable(n_seqs):
                 return self.decode_forward(tokens[:, 0], ubatch, states)
             if self.compile_decode and (n_seqs > 1 or self._rows_contiguous):
                 return self.decode_forward(tokens[:, 0], ubatch, states)
@@ -248,23 +253,20 @@ class MambaFamilyModel:
         return self.head(x, ubatch)
 
     def decode_forward(self, tokens: torch.Tensor, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
-        """:meth:`forward` for one token a sequence (``tokens`` ``[Bs]``): one sequence through the C++ step
-        where it runs (:meth:`native_step`), else through the compiled steps."""
+        """:meth:`forward` for one token a sequence (``tokens`` ``[Bs]``): through the C++ step where it runs
+        for this many sequences (:meth:`native_step`), else through the compiled steps."""
         eps = self.config.eps
         x = embed(self.embedding, tokens)  # [Bs, d_model]
         n_seqs = x.shape[0]
         views = [self.state_views(*states.read_states(il), n_seqs) for il in range(self.n_layer)]
-        native = self._native if n_seqs == 1 else None
-        if native is not None:
+        native, logits = self._native, None
+        if native is not None and native.usable(n_seqs) and self._rows_contiguous:
             head, weights = self.one_sequence_args()
             flat = [t for w, v in zip(weights, views, strict=True) for t in (*w, *v)]
             if native.accepts(head, flat) and native.check(x, self.norm_f, head, eps, flat):
                 logits = native(x, self.norm_f, head, eps, *flat)
-            else:  # its check failed, or an operand it does not take: the compiled step, or its function
-                step_one = self._token_step_one if self.compile_decode else native.twin
-                logits = step_one(x, self.norm_f, head, eps, *flat)
-        else:
-            step, head, weights = self._step_args[n_seqs > 1]
+        if logits is None:  # no C++ step, its check failed, or an operand it does not take
+            step, head, weights = self._step_for(n_seqs)
             flat = [t for w, v in zip(weights, views, strict=True) for t in (*w, *v)]
             logits = step(x, self.norm_f, head, eps, *flat)
         for il, (window, h) in enumerate(views):
@@ -273,6 +275,18 @@ class MambaFamilyModel:
         if len(rows) == n_seqs:
             return logits
         return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+
+    def _step_for(self, n_seqs: int) -> tuple[Callable[..., torch.Tensor], Any, list[tuple[Any, ...]]]:
+        """``(step, head, each layer's weights)`` of the compiled step for ``n_seqs`` sequences; when not
+        compiling, the same functions run eagerly."""
+        if self.compile_decode:
+            return self._step_args[n_seqs > 1]
+        layer_fn, n_fields, consts = self.layer_one()
+        if n_seqs == 1:
+            step = self._native.twin if self._native is not None else token_step(layer_fn, n_fields, consts)
+            return (step, *self.one_sequence_args())
+        weights = [self.layer_args(ly, self.rows_operand) for ly in self.layers]
+        return token_step_many(self.layer_many(), n_fields, consts), self.rows_operand(self.lm_head), weights
 
     def head(self, x: torch.Tensor, ubatch: UBatch) -> torch.Tensor:
         """Logits of the micro-batch's output rows of the residual stream ``x``: final norm, LM head."""

@@ -141,9 +141,7 @@ class MambaModel(MambaFamilyModel):
 
     def native_step(self) -> NativeStep:
         layer_fn, n_fields, consts = self.layer_one()
-        return NativeStep(
-            "mamba_step_one", token_step(layer_fn, n_fields, consts), n_fields, (1, 4, 9), consts
-        )
+        return NativeStep("mamba_step", token_step(layer_fn, n_fields, consts), n_fields, (1, 4, 9), consts)
 
     def layer_args(self, layer: MambaLayer, operand: Callable[[Matrix], Any]) -> tuple[Any, ...]:
         ly = layer

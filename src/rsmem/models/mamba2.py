@@ -150,7 +150,7 @@ class Mamba2Model(MambaFamilyModel):
 
     def native_step(self) -> NativeStep:
         layer_fn, n_fields, consts = self.layer_one()
-        return NativeStep("mamba2_step_one", token_step(layer_fn, n_fields, consts), n_fields, (1, 8), consts)
+        return NativeStep("mamba2_step", token_step(layer_fn, n_fields, consts), n_fields, (1, 8), consts)
 
     def layer_args(self, layer: Mamba2Layer, operand: Callable[[Matrix], Any]) -> tuple[Any, ...]:
         ly = layer

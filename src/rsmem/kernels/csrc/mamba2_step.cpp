@@ -1,6 +1,6 @@
-// Mamba-2's one-token decode step in C++: one op call a token instead of a compiled graph whose Python
-// wrapper, dynamo guards and ~100 small buffers cost 2.5-3 ms a token of the 130M model (the products
-// themselves stream the weights at the machine's read rate).
+// Mamba-2's one-token decode step in C++: one op call a token (of one or a few sequences) instead of a
+// compiled graph whose Python wrapper, dynamo guards and ~100 small buffers cost 2.5-3 ms a token of the
+// 130M model (the products themselves stream the weights at the machine's read rate).
 //
 //   mamba2_mixer_one_(zxbcdt [Bs, d_inner + conv_dim + H], window [Bs, conv_dim, K-1] (moved in place),
 //       conv_weight [conv_dim, K], conv_bias [conv_dim], dt_bias, A, D [H], ssm_norm [d_inner],
@@ -10,9 +10,9 @@
 //     the token, as llama.cpp's ssm_scan), then the gated group RMS norm of y with z. Heads are shared
 //     between rsmem's product workers (pool.h), so the state update (196,608 floats a layer at 130M) reads
 //     and writes each state row once, on both cores.
-//   mamba2_step_one(x [1, d_model], layers: 11 tensors a layer (norm, in_proj, conv_weight, conv_bias,
-//       dt_bias, A, D, ssm_norm, out_proj, window, h), qtypes [2 a layer: in_proj, out_proj], norm_f, head,
-//       head_qtype, n_group, eps) -> logits [1, n_vocab]
+//   mamba2_step(x [M, d_model], layers: 11 tensors a layer (norm, in_proj, conv_weight, conv_bias,
+//       dt_bias, A, D, ssm_norm, out_proj, window [M, ...], h [M, H, P, N]), qtypes [2 a layer: in_proj,
+//       out_proj], norm_f, head, head_qtype, n_group, eps) -> logits [M, n_vocab]
 //     the whole step: per layer the pre-norm, in_proj, the mixer, out_proj and the residual; then the final
 //     norm and the head. A matrix of qtype -1 is float32 [out, in] with contiguous rows (the few-row kernel,
 //     rows_kernel.h); another qtype is blocks for rsmem_native::qmatmul (Q8_0, Q4_K, ..., F16, BF16).
@@ -35,7 +35,7 @@ namespace {
 using step::check_f32;
 using step::check_matrix;
 using step::product;
-using step::rms_norm_row;
+using step::rms_norm_rows;
 using step::softplus;
 
 constexpr const char* kOp = "mamba2 step";
@@ -127,21 +127,21 @@ at::Tensor mamba2_mixer_one_(const at::Tensor& zxbcdt, at::Tensor& window, const
 
 constexpr int64_t kLayerTensors = 11;
 
-at::Tensor mamba2_step_one(const at::Tensor& x_in, at::TensorList layers, at::IntArrayRef qtypes,
-                           const at::Tensor& norm_f, const at::Tensor& head, int64_t head_qtype, int64_t n_group,
-                           double eps) {
+at::Tensor mamba2_step(const at::Tensor& x_in, at::TensorList layers, at::IntArrayRef qtypes,
+                       const at::Tensor& norm_f, const at::Tensor& head, int64_t head_qtype, int64_t n_group,
+                       double eps) {
   TORCH_CHECK_VALUE(layers.size() % kLayerTensors == 0 && qtypes.size() * kLayerTensors == 2 * layers.size(),
                     "mamba2 step: 11 tensors and 2 qtypes a layer, got ", layers.size(), " and ", qtypes.size());
-  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) == 1,
-                    "mamba2 step: x must be float32 [1, d_model], got ", x_in.sizes());
-  const int64_t dm = x_in.size(1);
+  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1,
+                    "mamba2 step: x must be float32 [M, d_model], got ", x_in.sizes());
+  const int64_t M = x_in.size(0), dm = x_in.size(1);
   const int64_t n_layer = static_cast<int64_t>(layers.size()) / kLayerTensors;
   // every layer's operands first: a bad one is an error before any state is written
   for (int64_t il = 0; il < n_layer; ++il) {
     const at::Tensor* t = layers.data() + il * kLayerTensors;
     check_f32(kOp, t[0], dm, "norm");
-    TORCH_CHECK_VALUE(t[10].dim() == 4 && t[10].size(0) == 1, "mamba2 step: h must be [1, H, P, N], got ",
-                      t[10].sizes());
+    TORCH_CHECK_VALUE(t[10].dim() == 4 && t[10].size(0) == M, "mamba2 step: h must be [", M,
+                      ", H, P, N], got ", t[10].sizes());
     const int64_t width = check_mixer(t[9], t[2], t[3], t[4], t[5], t[6], t[7], t[10], n_group);
     check_matrix(kOp, t[1], qtypes[2 * il], width, dm, "in_proj");
     check_matrix(kOp, t[8], qtypes[2 * il + 1], dm, t[10].size(1) * t[10].size(2), "out_proj");
@@ -156,13 +156,13 @@ at::Tensor mamba2_step_one(const at::Tensor& x_in, at::TensorList layers, at::In
   float *xp = x.data_ptr<float>(), *up = u.data_ptr<float>();
   for (int64_t il = 0; il < n_layer; ++il) {
     const at::Tensor* t = layers.data() + il * kLayerTensors;
-    rms_norm_row(xp, t[0].data_ptr<float>(), up, dm, feps);
+    rms_norm_rows(xp, t[0].data_ptr<float>(), up, M, dm, feps);
     const at::Tensor zxbcdt = product(u, t[1], qtypes[2 * il]);
     at::Tensor window = t[9], h = t[10];
     const at::Tensor y = mixer(zxbcdt, window, t[2], t[3], t[4], t[5], t[6], t[7], h, n_group, eps);
-    step::add_product(xp, y, t[8], qtypes[2 * il + 1], dm);
+    step::add_product(xp, y, t[8], qtypes[2 * il + 1]);
   }
-  rms_norm_row(xp, norm_f.data_ptr<float>(), up, dm, feps);
+  rms_norm_rows(xp, norm_f.data_ptr<float>(), up, M, dm, feps);
   return product(u, head, head_qtype);
 }
 
@@ -175,7 +175,7 @@ TORCH_LIBRARY_FRAGMENT(RSMEM_OPS_NS, m) {
       "Tensor A, Tensor D, Tensor ssm_norm, Tensor(b!) h, int n_group, float eps) -> Tensor",
       &rsmem::mamba2_mixer_one_);
   m.def(
-      "mamba2_step_one(Tensor x, Tensor[] layers, int[] qtypes, Tensor norm_f, Tensor head, int head_qtype, "
+      "mamba2_step(Tensor x, Tensor[] layers, int[] qtypes, Tensor norm_f, Tensor head, int head_qtype, "
       "int n_group, float eps) -> Tensor",
-      &rsmem::mamba2_step_one);
+      &rsmem::mamba2_step);
 }

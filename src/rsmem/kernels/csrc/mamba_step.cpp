@@ -1,15 +1,16 @@
-// Mamba's one-token decode step in C++, as mamba2_step.cpp is Mamba-2's: one op call a token instead of a
-// compiled graph whose Python wrapper and dynamo guards cost milliseconds a token around products that
-// already stream the weights at the machine's read rate.
+// Mamba's one-token decode step in C++, as mamba2_step.cpp is Mamba-2's: one op call a token (of one or a
+// few sequences) instead of a compiled graph whose Python wrapper and dynamo guards cost milliseconds a
+// token around products that already stream the weights at the machine's read rate.
 //
-//   mamba_step_one(x [1, d_model], layers: 12 tensors a layer (norm, in_proj, conv_weight [D, K], conv_bias,
-//       x_proj, dt_proj [D, R] float32, dt_bias, A [D, N], D [D], out_proj, window [1, D, K-1], h [1, D, N]),
-//       qtypes [3 a layer: in_proj, x_proj, out_proj], norm_f, head, head_qtype, eps) -> logits [1, n_vocab]
+//   mamba_step(x [M, d_model], layers: 12 tensors a layer (norm, in_proj, conv_weight [D, K], conv_bias,
+//       x_proj, dt_proj [D, R] float32, dt_bias, A [D, N], D [D], out_proj, window [M, D, K-1], h [M, D, N]),
+//       qtypes [3 a layer: in_proj, x_proj, out_proj], norm_f, head, head_qtype, eps) -> logits [M, n_vocab]
 //     per layer: the pre-norm, in_proj (x, z), the short convolution and SiLU of x, x_proj (dt, B, C),
 //     dt = softplus(dt_proj dt + dt_bias), per channel h = h exp(dt A) + (dt x) B and y = h . C + D x (the
 //     state after the token), y * silu(z), out_proj and the residual; then the final norm and the head.
 //     Matrices: float32 [out, in] with contiguous rows (qtype -1) or blocks for rsmem_native::qmatmul.
-//     Channels are shared between rsmem's product workers (pool.h).
+//     Channels (of every sequence) are shared between rsmem's product workers (pool.h). Row m of x, window
+//     and h is sequence m.
 //
 // Reference twin: rsmem.models.ops.fused.token_step of mamba_layer_one_, the compiled step's own function
 // (tests/kernels/test_mamba_step.py).
@@ -29,7 +30,7 @@ namespace {
 using step::check_f32;
 using step::check_matrix;
 using step::product;
-using step::rms_norm_row;
+using step::rms_norm_rows;
 using step::silu;
 using step::softplus;
 
@@ -61,7 +62,8 @@ inline float update_channel(float* __restrict h, const float* __restrict A, cons
 }
 
 // Every layer's operands before anything is written: a bad one is an error with every state as it was.
-void check_layers(at::TensorList layers, at::IntArrayRef qtypes, int64_t dm, int64_t dt_rank, int64_t d_state) {
+void check_layers(at::TensorList layers, at::IntArrayRef qtypes, int64_t M, int64_t dm, int64_t dt_rank,
+                  int64_t d_state) {
   const int64_t n_layer = static_cast<int64_t>(layers.size()) / kLayerTensors;
   for (int64_t il = 0; il < n_layer; ++il) {
     const at::Tensor* t = layers.data() + il * kLayerTensors;
@@ -78,21 +80,21 @@ void check_layers(at::TensorList layers, at::IntArrayRef qtypes, int64_t dm, int
     check_f32(kOp, t[7], D * N, "A");
     check_f32(kOp, t[8], D, "D");
     check_matrix(kOp, t[9], qtypes[3 * il + 2], dm, D, "out_proj");
-    check_f32(kOp, t[10], D * (K - 1), "window");
-    check_f32(kOp, t[11], D * N, "h");
+    check_f32(kOp, t[10], M * D * (K - 1), "window");
+    check_f32(kOp, t[11], M * D * N, "h");
   }
 }
 
-at::Tensor mamba_step_one(const at::Tensor& x_in, at::TensorList layers, at::IntArrayRef qtypes,
-                          const at::Tensor& norm_f, const at::Tensor& head, int64_t head_qtype, double eps,
-                          int64_t dt_rank, int64_t d_state) {
+at::Tensor mamba_step(const at::Tensor& x_in, at::TensorList layers, at::IntArrayRef qtypes,
+                      const at::Tensor& norm_f, const at::Tensor& head, int64_t head_qtype, double eps,
+                      int64_t dt_rank, int64_t d_state) {
   TORCH_CHECK_VALUE(layers.size() % kLayerTensors == 0 && qtypes.size() * kLayerTensors == 3 * layers.size(),
                     kOp, ": 12 tensors and 3 qtypes a layer, got ", layers.size(), " and ", qtypes.size());
-  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) == 1, kOp,
-                    ": x must be float32 [1, d_model], got ", x_in.sizes());
+  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1, kOp,
+                    ": x must be float32 [M, d_model], got ", x_in.sizes());
   TORCH_CHECK_VALUE(dt_rank > 0 && d_state > 0, kOp, ": dt_rank and d_state must be positive");
-  const int64_t dm = x_in.size(1), R = dt_rank, N = d_state;
-  check_layers(layers, qtypes, dm, R, N);
+  const int64_t M = x_in.size(0), dm = x_in.size(1), R = dt_rank, N = d_state;
+  check_layers(layers, qtypes, M, dm, R, N);
   check_f32(kOp, norm_f, dm, "norm_f");
   TORCH_CHECK_VALUE(head.dim() == 2, kOp, ": head must be a matrix, got ", head.sizes());
   check_matrix(kOp, head, head_qtype, head.size(0), dm, "head");
@@ -105,30 +107,34 @@ at::Tensor mamba_step_one(const at::Tensor& x_in, at::TensorList layers, at::Int
   for (int64_t il = 0; il < n_layer; ++il) {
     const at::Tensor* t = layers.data() + il * kLayerTensors;
     const int64_t D = t[2].size(0), K = t[2].size(1);
-    rms_norm_row(xp, t[0].data_ptr<float>(), up, dm, feps);
-    const at::Tensor xz = product(u, t[1], qtypes[3 * il]);  // [1, 2D]: x, then z
+    rms_norm_rows(xp, t[0].data_ptr<float>(), up, M, dm, feps);
+    const at::Tensor xz = product(u, t[1], qtypes[3 * il]);  // [M, 2D]: x, then z
     const float* xzp = xz.data_ptr<float>();
-    at::Tensor xc = at::empty({1, D}, x.options());
+    at::Tensor xc = at::empty({M, D}, x.options());
     float *xcp = xc.data_ptr<float>(), *win = t[10].data_ptr<float>();
     const float *cw = t[2].data_ptr<float>(), *cb = t[3].data_ptr<float>();
-    step::conv_silu_token(xzp, win, cw, cb, xcp, D, K);
-    const at::Tensor dbc = product(xc, t[4], qtypes[3 * il + 1]);  // [1, R + 2N]: dt, B, C
+    for (int64_t m = 0; m < M; ++m)
+      step::conv_silu_token(xzp + m * 2 * D, win + m * D * (K - 1), cw, cb, xcp + m * D, D, K);
+    const at::Tensor dbc = product(xc, t[4], qtypes[3 * il + 1]);  // [M, R + 2N]: dt, B, C
     const at::Tensor dt = product(dbc.narrow(1, 0, R).contiguous(), t[5], -1);
-    const float *dtp = dt.data_ptr<float>(), *Bp = dbc.data_ptr<float>() + R, *Cp = Bp + N;
+    const float *dtp = dt.data_ptr<float>(), *dbcp = dbc.data_ptr<float>();
     const float *dtb = t[6].data_ptr<float>(), *Ap = t[7].data_ptr<float>(), *Dp = t[8].data_ptr<float>();
     float* hp = t[11].data_ptr<float>();
-    at::Tensor y = at::empty({1, D}, x.options());
+    at::Tensor y = at::empty({M, D}, x.options());
     float* yp = y.data_ptr<float>();
-    pool::parallel_for(0, D, std::max<int64_t>(64, (int64_t{1} << 13) / N), [&](int64_t d0, int64_t d1) {
-      for (int64_t d = d0; d < d1; ++d) {
-        const float dtd = softplus(dtp[d] + dtb[d]);
-        const float hc = update_channel(hp + d * N, Ap + d * N, Bp, Cp, N, dtd, dtd * xcp[d]);
-        yp[d] = (hc + Dp[d] * xcp[d]) * silu(xzp[D + d]);
+    const int64_t ld = R + 2 * N;
+    pool::parallel_for(0, M * D, std::max<int64_t>(64, (int64_t{1} << 13) / N), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t m = i / D, d = i % D;
+        const float* Bp = dbcp + m * ld + R;
+        const float dtd = softplus(dtp[i] + dtb[d]);
+        const float hc = update_channel(hp + i * N, Ap + d * N, Bp, Bp + N, N, dtd, dtd * xcp[i]);
+        yp[i] = (hc + Dp[d] * xcp[i]) * silu(xzp[m * 2 * D + D + d]);
       }
     });
-    step::add_product(xp, y, t[9], qtypes[3 * il + 2], dm);
+    step::add_product(xp, y, t[9], qtypes[3 * il + 2]);
   }
-  rms_norm_row(xp, norm_f.data_ptr<float>(), up, dm, feps);
+  rms_norm_rows(xp, norm_f.data_ptr<float>(), up, M, dm, feps);
   return product(u, head, head_qtype);
 }
 
@@ -137,7 +143,7 @@ at::Tensor mamba_step_one(const at::Tensor& x_in, at::TensorList layers, at::Int
 
 TORCH_LIBRARY_FRAGMENT(RSMEM_OPS_NS, m) {
   m.def(
-      "mamba_step_one(Tensor x, Tensor[] layers, int[] qtypes, Tensor norm_f, Tensor head, int head_qtype, "
+      "mamba_step(Tensor x, Tensor[] layers, int[] qtypes, Tensor norm_f, Tensor head, int head_qtype, "
       "float eps, int dt_rank, int d_state) -> Tensor",
-      &rsmem::mamba_step_one);
+      &rsmem::mamba_step);
 }

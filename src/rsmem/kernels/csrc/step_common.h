@@ -33,6 +33,11 @@ inline void rms_norm_row(const float* __restrict x, const float* __restrict w, f
   for (int64_t j = 0; j < n; ++j) out[j] = out[j] * scale * w[j];
 }
 
+// rms_norm_row of each of M contiguous rows of n values
+inline void rms_norm_rows(const float* x, const float* w, float* out, int64_t M, int64_t n, float eps) {
+  for (int64_t m = 0; m < M; ++m) rms_norm_row(x + m * n, w, out + m * n, n, eps);
+}
+
 inline void check_f32(const char* op, const at::Tensor& t, int64_t numel, const char* what) {
   TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous() && t.numel() == numel,
                     op, ": ", what, " must be a contiguous float32 CPU tensor of ", numel, " values, got ",
@@ -71,12 +76,12 @@ inline void conv_silu_token(const float* __restrict in, float* __restrict window
   }
 }
 
-// x [1, K] @ W^T for a checked matrix (check_matrix)
+// x [M, K] (contiguous) @ W^T for a checked matrix (check_matrix)
 inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
   if (qtype < 0) {
-    const int64_t N = w.size(0), Kd = x.size(1);
-    at::Tensor y = at::empty({1, N}, x.options());
-    rows::product<rows::F32W>(x.data_ptr<float>(), Kd, w.data_ptr<float>(), Kd <= 1 ? Kd : w.stride(0), 1, N, Kd,
+    const int64_t M = x.size(0), N = w.size(0), Kd = x.size(1);
+    at::Tensor y = at::empty({M, N}, x.options());
+    rows::product<rows::F32W>(x.data_ptr<float>(), Kd, w.data_ptr<float>(), Kd <= 1 ? Kd : w.stride(0), M, N, Kd,
                               y.data_ptr<float>());
     return y;
   }
@@ -86,11 +91,12 @@ inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
   return op.call(x, w, qtype, x.size(1), -1);
 }
 
-// the residual: x[0:n] += (y @ W^T)[0:n]
-inline void add_product(float* __restrict x, const at::Tensor& y, const at::Tensor& w, int64_t qtype, int64_t n) {
+// the residual: x [M, n] += y @ W^T (W [n, K])
+inline void add_product(float* __restrict x, const at::Tensor& y, const at::Tensor& w, int64_t qtype) {
   const at::Tensor out = product(y, w, qtype);
   const float* op = out.data_ptr<float>();
-  for (int64_t j = 0; j < n; ++j) x[j] += op[j];
+  const int64_t total = out.numel();
+  for (int64_t j = 0; j < total; ++j) x[j] += op[j];
 }
 
 }  // namespace step

@@ -1,13 +1,16 @@
-"""Mamba's and Mamba-2's one-sequence decode step as one C++ op, checked before use
+"""Mamba's and Mamba-2's decode step of one or a few sequences as one C++ op, checked before use
 (``kernels/csrc/mamba_step.cpp``, ``mamba2_step.cpp``).
 
 The compiled step (:func:`~rsmem.models.ops.fused.token_step` under inductor) streams the weights through
 the same product kernels, but around them a token of the 130M Mamba-2 model paid ~2 ms in the generated
 Python wrapper (~100 buffers and calls), ~0.5 ms in dynamo's guards on ~270 inputs and ~2.3 ms in the
-mixer's kernel on one thread. ``rsmem_native::mamba2_step_one`` (``mamba_step_one``) is the whole token in
+mixer's kernel on one thread. ``rsmem_native::mamba2_step`` (``mamba_step``) is the whole token in
 one call: the pre-norms, the products (the few-row kernel for float32 ``[out, in]`` rows,
 ``rsmem_native::qmatmul`` for blocks), the mixer with its state update shared between rsmem's product
-workers, the residual, the final norm and the head.
+workers, the residual, the final norm and the head. It takes up to :data:`MAX_ROWS` sequences at once (the
+few-row kernel's range; each sequence a row of the activations and of the states): at 8 sequences the
+compiled step of the 130M Mamba Q4_K_M spent ~17% of its time waking torch's OpenMP threads for inductor's
+mixer kernels.
 
 :class:`NativeStep` takes a model's matrices as they are (no copy); :meth:`NativeStep.__call__` has the
 compiled step's arguments. Its first call runs the op and the eager twin (the compiled step's own function)
@@ -28,6 +31,7 @@ from rsmem import settings
 from rsmem.kernels.build import loaded_native_ops
 from rsmem.models.ops.fused import SmallRows
 from rsmem.models.ops.quantized import QuantMatrix
+from rsmem.models.ops.small_rows import MAX_ROWS as SMALL_ROWS_MAX
 
 # The first call's check (one layer of each kind at a time): logits and states within this of the twin's,
 # relative to their largest magnitude; a wrong layout or operand gives differences of order 1. With float
@@ -35,6 +39,9 @@ from rsmem.models.ops.quantized import QuantMatrix
 # activations (llama.cpp's Q8_K), so a difference in a last bit can move a value to the next integer step.
 # The 130M random Mamba and Mamba-2 files, f32, Q8_0 and Q4_K_M: at most 1.5e-6.
 CHECK_TOLERANCE = 1e-4
+# Sequences up to which the op runs (more take the compiled step): float32 matrices go through the few-row
+# kernel, which oneDNN's packed product overtakes beyond this.
+MAX_ROWS = SMALL_ROWS_MAX
 QUANTIZED_CHECK_TOLERANCE = 1e-2
 # qtypes whose products keep float32 activations: float32 rows (-1), F16, BF16
 FLOAT_QTYPES = (-1, int(gguf.GGMLQuantizationType.F16), int(gguf.GGMLQuantizationType.BF16))
@@ -76,7 +83,7 @@ def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class NativeStep:
-    """One sequence's decode step through the op ``rsmem_native.<op>``.
+    """The decode step of up to :data:`MAX_ROWS` sequences through the op ``rsmem_native.<op>``.
 
     ``twin``: the compiled step's function, ``(x, norm_f, head, eps, *flat)`` with ``flat`` each layer's
     ``n_fields`` tensors (window and h last); ``matrices``: the positions among them of the matrices the op
@@ -106,9 +113,9 @@ class NativeStep:
         ops = loaded_native_ops() if settings.native_step_enabled() else None
         return ops if ops is not None and hasattr(ops, self.op) else None
 
-    def usable(self) -> bool:
-        """Whether the op runs here (:meth:`ops`) and has not failed its check."""
-        return self.failed is None and self.ops() is not None
+    def usable(self, n_seqs: int = 1) -> bool:
+        """Whether the op runs here (:meth:`ops`) for ``n_seqs`` sequences and has not failed its check."""
+        return n_seqs <= MAX_ROWS and self.failed is None and self.ops() is not None
 
     def accepts(self, head: Any, flat: Sequence[Any]) -> bool:
         """Whether the op runs here (:meth:`ops`), every matrix has a form it takes and every state is a
@@ -162,10 +169,12 @@ class NativeStep:
         self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, layer: list[Any]
     ) -> str | None:
         """One layer (then the final norm and the head) through the op and through the twin, on copies of
-        its states: None, or what differs beyond the bound."""
+        the first sequence's states: None, or what differs beyond the bound (the twin is the one-sequence
+        step's function; the op's rows are independent of each other)."""
         n = self.n_fields
-        mine = layer[: n - 2] + [t.clone() for t in layer[n - 2 :]]
-        theirs = layer[: n - 2] + [t.clone() for t in layer[n - 2 :]]
+        x = x[:1]
+        mine = layer[: n - 2] + [t[:1].clone() for t in layer[n - 2 :]]
+        theirs = layer[: n - 2] + [t[:1].clone() for t in layer[n - 2 :]]
         tensors, qtypes, head_w, head_q = self._build(head, mine)
         got = getattr(self.ops(), self.op)(x, tensors, qtypes, norm_f, head_w, head_q, *self.consts)
         want = self.twin(x, norm_f, head, eps, *theirs)
@@ -216,5 +225,5 @@ class NativeStep:
     def __call__(
         self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, *flat: Any
     ) -> torch.Tensor:
-        """The logits ``[1, n_vocab]``; each layer's window and h updated in place."""
+        """The logits ``[n_seqs, n_vocab]``; each layer's window and h updated in place."""
         return self._run(x, norm_f, head, eps, flat)
