@@ -19,7 +19,7 @@ from rsmem.models.compiled import (
 )
 from rsmem.models.mamba import MambaConfig
 from rsmem.models.mamba2 import Mamba2Config
-from rsmem.models.ops import fused
+from rsmem.models.ops import fused, native_step
 from rsmem.models.ops.fused import SmallRows
 from rsmem.models.ops.packed import packing_enabled
 from rsmem.models.ops.small_rows import kernel_ops
@@ -201,13 +201,14 @@ def test_no_recompiles_after_warm_up(arch: str) -> None:
     model = _model(arch)
     model.set_compile(True)
     model.warm_up()
-    ctx = rsmem.Context(model, n_seq_max=6, n_batch=128)
+    wide = native_step.MAX_ROWS + 1  # more than the C++ step takes: the compiled batched step
+    ctx = rsmem.Context(model, n_seq_max=wide, n_batch=256)
     with torch.compiler.set_stance("fail_on_recompile"):
         for n_tokens in (5, 17, 33):
             ctx.memory.clear()
             ctx.decode(rsmem.Batch([3] * n_tokens, seq_ids=[[0]] * n_tokens))
             ctx.decode(rsmem.Batch([4] * (2 * n_tokens), seq_ids=[[1]] * n_tokens + [[2]] * n_tokens))
-        for width in (1, 2, 3, 5):
+        for width in (1, 2, 3, 5, wide):
             ctx.decode(rsmem.Batch([5] * width, seq_ids=[[s] for s in range(width)], logits=[True] * width))
 
 

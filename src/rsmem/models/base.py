@@ -19,7 +19,6 @@ from rsmem.hugepages import huge_page_copies
 from rsmem.models.compiled import ONE_THREAD_GLUE, CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import CapturePoints, output_rows
 from rsmem.models.ops.fused import RowsOperand, token_step, token_step_many
-from rsmem.models.ops.native_step import MAX_ROWS as NATIVE_MAX_ROWS
 from rsmem.models.ops.native_step import NativeStep
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
@@ -165,25 +164,36 @@ class MambaFamilyModel:
         server's first requests do not wait for it; returns the seconds it took (0 when not compiling).
 
         Covers a one-sequence and a two-sequence prefill and decode: the batched variants have a dynamic
-        batch size, so every later width reuses them. Where the C++ step takes the decode of up to
-        ``MAX_ROWS`` sequences, one decode of more compiles the batched step."""
+        batch size, so every later width reuses them. Where the C++ step takes those decodes (up to
+        ``MAX_ROWS`` sequences), the batched step, which takes wider ones, runs once on scratch states."""
         if not self.compile_decode:
             return 0.0
         from rsmem.context import Context  # imported here: rsmem.context imports the models package
 
         started = time.perf_counter()
-        wide = NATIVE_MAX_ROWS + 1 if self._native is not None and self._native.usable() else 2
-        ctx = Context(self, n_seq_max=wide)
+        ctx = Context(self, n_seq_max=2)
         ctx.decode(Batch([1] * 20, seq_ids=[[0]] * 20))
         ctx.decode(Batch([1] * 6, seq_ids=[[0]] * 3 + [[1]] * 3))
         ctx.decode(Batch([1], seq_ids=[[0]]))
         ctx.decode(Batch([1, 1], seq_ids=[[0], [1]], logits=[True, True]))
-        if wide > 2:
-            ctx.decode(Batch([1] * wide, seq_ids=[[s] for s in range(wide)], logits=[True] * wide))
+        if self._native is not None and self._native.usable(2):
+            self._warm_batched_step()
         return time.perf_counter() - started
 
+    @torch.inference_mode()  # as Context.decode runs it: dynamo's guards include the grad mode
+    def _warm_batched_step(self) -> None:
+        """One call of the compiled batched step on scratch states of two sequences."""
+        step, head, weights = self._step_args[True]
+        scratch = [
+            self.state_views(torch.zeros(2, self.n_embd_r), torch.zeros(2, self.n_embd_s), 2) for _ in weights
+        ]
+        flat = [t for w, v in zip(weights, scratch, strict=True) for t in (*w, *v)]
+        step(
+            embed(self.embedding, torch.ones(2, dtype=torch.long)), self.norm_f, head, self.config.eps, *flat
+        )
+
     def native_step(self) -> NativeStep | None:
-        """The architecture's one-sequence decode step in C++ (Mamba, Mamba-2), else None."""
+        """The architecture's decode step in C++ (Mamba, Mamba-2), else None."""
         return None
 
     def one_sequence_args(self) -> tuple[Any, list[tuple[Any, ...]]]:

@@ -76,8 +76,13 @@ inline void conv_silu_token(const float* __restrict in, float* __restrict window
   }
 }
 
+// Activation rows from which a float32 product goes to at::mm (BLAS) instead of the few-row kernel: at 16
+// rows the two are about even (models/ops/small_rows.py).
+constexpr int64_t kFewRowsMax = 16;
+
 // x [M, K] (contiguous) @ W^T for a checked matrix (check_matrix)
 inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
+  if (qtype < 0 && x.size(0) > kFewRowsMax) return at::mm(x, w.t());
   if (qtype < 0) {
     const int64_t M = x.size(0), N = w.size(0), Kd = x.size(1);
     at::Tensor y = at::empty({M, N}, x.options());

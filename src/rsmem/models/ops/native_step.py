@@ -7,10 +7,9 @@ Python wrapper (~100 buffers and calls), ~0.5 ms in dynamo's guards on ~270 inpu
 mixer's kernel on one thread. ``rsmem_native::mamba2_step`` (``mamba_step``) is the whole token in
 one call: the pre-norms, the products (the few-row kernel for float32 ``[out, in]`` rows,
 ``rsmem_native::qmatmul`` for blocks), the mixer with its state update shared between rsmem's product
-workers, the residual, the final norm and the head. It takes up to :data:`MAX_ROWS` sequences at once (the
-few-row kernel's range; each sequence a row of the activations and of the states): at 8 sequences the
-compiled step of the 130M Mamba Q4_K_M spent ~17% of its time waking torch's OpenMP threads for inductor's
-mixer kernels.
+workers, the residual, the final norm and the head. It takes up to :data:`MAX_ROWS` sequences at once
+(each a row of the activations and of the states): at 8 sequences the compiled step of the 130M Mamba
+Q4_K_M spent ~17% of its time waking torch's OpenMP threads for inductor's mixer kernels.
 
 :class:`NativeStep` takes a model's matrices as they are (no copy); :meth:`NativeStep.__call__` has the
 compiled step's arguments. Its first call runs the op and the eager twin (the compiled step's own function)
@@ -31,7 +30,6 @@ from rsmem import settings
 from rsmem.kernels.build import loaded_native_ops
 from rsmem.models.ops.fused import SmallRows
 from rsmem.models.ops.quantized import QuantMatrix
-from rsmem.models.ops.small_rows import MAX_ROWS as SMALL_ROWS_MAX
 
 # The first call's check (one layer of each kind at a time): logits and states within this of the twin's,
 # relative to their largest magnitude; a wrong layout or operand gives differences of order 1. With float
@@ -39,9 +37,11 @@ from rsmem.models.ops.small_rows import MAX_ROWS as SMALL_ROWS_MAX
 # activations (llama.cpp's Q8_K), so a difference in a last bit can move a value to the next integer step.
 # The 130M random Mamba and Mamba-2 files, f32, Q8_0 and Q4_K_M: at most 1.5e-6.
 CHECK_TOLERANCE = 1e-4
-# Sequences up to which the op runs (more take the compiled step): float32 matrices go through the few-row
-# kernel, which oneDNN's packed product overtakes beyond this.
-MAX_ROWS = SMALL_ROWS_MAX
+# Sequences up to which the op runs (more take the compiled step). Float32 products of up to 16 rows go
+# through the few-row kernel, of more through at::mm. bench/native_step.py, 3 rounds, compiled / C++ ms a
+# step: Mamba-2 130M f32 1.28 at 64 sequences, 1.35 at 128, Q4_K_M 1.46 at 64; Mamba f32 1.01 at 64 and
+# 0.99 at 128 (its compiled mixer was already cheap; Mamba-2's is most of a wide step).
+MAX_ROWS = 128
 QUANTIZED_CHECK_TOLERANCE = 1e-2
 # qtypes whose products keep float32 activations: float32 rows (-1), F16, BF16
 FLOAT_QTYPES = (-1, int(gguf.GGMLQuantizationType.F16), int(gguf.GGMLQuantizationType.BF16))
