@@ -99,6 +99,7 @@ class MambaFamilyModel:
         self._rows_contiguous = all(isinstance(m, QuantMatrix) or m.t().is_contiguous() for m in matrices)
         self.compile_decode = False
         self._one_args: tuple[Any, list[tuple[Any, ...]]] | None = None
+        self._many_args: tuple[Any, list[tuple[Any, ...]]] | None = None
         self._native = self.native_step()
         self.set_compile(compile)
 
@@ -154,9 +155,8 @@ class MambaFamilyModel:
             # sequence (as one_operand gives them) and for several (as rows_operand gives them)
             self._step_args = [
                 (self._token_step_one, *self.one_sequence_args()),
-                (self._token_step_many, self.rows_operand(self.lm_head),
-                 [self.layer_args(ly, self.rows_operand) for ly in self.layers]),
-            ]  # fmt: skip
+                (self._token_step_many, *self.many_sequence_args()),
+            ]
         return self.compile_decode
 
     def warm_up(self) -> float:
@@ -204,6 +204,16 @@ class MambaFamilyModel:
                 [self.layer_args(ly, self.one_operand) for ly in self.layers],
             )
         return self._one_args
+
+    def many_sequence_args(self) -> tuple[Any, list[tuple[Any, ...]]]:
+        """The head and each layer's weights as the steps of several sequences take them
+        (:meth:`rows_operand`)."""
+        if self._many_args is None:
+            self._many_args = (
+                self.rows_operand(self.lm_head),
+                [self.layer_args(ly, self.rows_operand) for ly in self.layers],
+            )
+        return self._many_args
 
     def make_compiled_steps(self) -> None:
         """Create the architecture's :class:`~rsmem.models.compiled.CompiledStep` objects besides the whole
@@ -295,8 +305,7 @@ class MambaFamilyModel:
         if n_seqs == 1:
             step = self._native.twin if self._native is not None else token_step(layer_fn, n_fields, consts)
             return (step, *self.one_sequence_args())
-        weights = [self.layer_args(ly, self.rows_operand) for ly in self.layers]
-        return token_step_many(self.layer_many(), n_fields, consts), self.rows_operand(self.lm_head), weights
+        return (token_step_many(self.layer_many(), n_fields, consts), *self.many_sequence_args())
 
     def head(self, x: torch.Tensor, ubatch: UBatch) -> torch.Tensor:
         """Logits of the micro-batch's output rows of the residual stream ``x``: final norm, LM head."""

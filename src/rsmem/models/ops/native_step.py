@@ -1,4 +1,4 @@
-"""Mamba's and Mamba-2's decode step of one or a few sequences as one C++ op, checked before use
+"""Mamba's and Mamba-2's decode step of one or many sequences as one C++ op, checked before use
 (``kernels/csrc/mamba_step.cpp``, ``mamba2_step.cpp``).
 
 The compiled step (:func:`~rsmem.models.ops.fused.token_step` under inductor) streams the weights through
@@ -37,12 +37,12 @@ from rsmem.models.ops.quantized import QuantMatrix
 # activations (llama.cpp's Q8_K), so a difference in a last bit can move a value to the next integer step.
 # The 130M random Mamba and Mamba-2 files, f32, Q8_0 and Q4_K_M: at most 1.5e-6.
 CHECK_TOLERANCE = 1e-4
+QUANTIZED_CHECK_TOLERANCE = 1e-2
 # Sequences up to which the op runs (more take the compiled step). Float32 products of up to 16 rows go
 # through the few-row kernel, of more through at::mm. bench/native_step.py, 3 rounds, compiled / C++ ms a
 # step: Mamba-2 130M f32 1.28 at 64 sequences, 1.35 at 128, Q4_K_M 1.46 at 64; Mamba f32 1.01 at 64 and
 # 0.99 at 128 (its compiled mixer was already cheap; Mamba-2's is most of a wide step).
 MAX_ROWS = 128
-QUANTIZED_CHECK_TOLERANCE = 1e-2
 # qtypes whose products keep float32 activations: float32 rows (-1), F16, BF16
 FLOAT_QTYPES = (-1, int(gguf.GGMLQuantizationType.F16), int(gguf.GGMLQuantizationType.BF16))
 
