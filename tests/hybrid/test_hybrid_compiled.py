@@ -1,7 +1,8 @@
 """The hybrids' compiled decode steps (models/ops/hybrid_fused.py through models/compiled.py) give the
 eager path's logits and states: one sequence and several (a compiled chain per stretch between attention
 layers, attention's KV part eager: models/hybrid_decode.py; several sequences' chains with the packed
-products and a dynamic batch), after a prompt, with a fork, with and without output rows."""
+products and a dynamic batch), after a prompt, with a fork, with and without output rows. The C++ step
+that takes their place where it runs is tests/hybrid/test_hybrid_native.py's."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def _run(model, compile_decode: bool) -> list[torch.Tensor]:
 
 @needs_cxx
 @pytest.mark.parametrize("arch", ["lfm2", "nemotron_h"])
-def test_compiled_decode_matches_eager(arch: str) -> None:
+def test_compiled_decode_matches_eager(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", "0")  # the chains (the C++ step: test_hybrid_native.py)
     model = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=False)
     eager = _run(model, False)
     with warnings.catch_warnings():

@@ -40,6 +40,7 @@ SOURCES = (
     "pool.cpp",
     "mamba2_step.cpp",
     "mamba_step.cpp",
+    "hybrid_step.cpp",
 )
 HEADERS = (
     "blocks.h",
@@ -49,6 +50,7 @@ HEADERS = (
     "int8.h",
     "int8_gemm.h",
     "int8_small.h",
+    "mamba2_mixer.h",
     "pool.h",
     "rows_kernel.h",
     "step_common.h",

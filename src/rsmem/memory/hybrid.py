@@ -28,7 +28,7 @@ from rsmem.errors import NoSlotError
 from rsmem.memory import state_io
 from rsmem.memory.context import MemoryStatus, RecurrentMemoryContext
 from rsmem.memory.hybrid_state import parse_recurrent
-from rsmem.memory.kv_attention import KVCacheContext, attend_stored
+from rsmem.memory.kv_attention import DecodeCells, KVCacheContext, attend_stored
 from rsmem.memory.kv_cache import KVCache
 from rsmem.memory.kv_state import KVStream, can_restore_kv, parse_kv, restore_kv, write_kv
 from rsmem.memory.recurrent import RecurrentMemory, StateShape
@@ -104,6 +104,12 @@ class ReplayStates:
     ) -> torch.Tensor:
         del k, v, ubatch  # the cache holds them already, computed from the same tokens
         return attend_stored(self._kv, il, self._seq, self._pos, q, scale)
+
+    def decode_cells(self, ubatch: UBatch | None = None) -> DecodeCells | None:
+        return None  # a replay writes no keys: the Python attention reads them
+
+    def layer_rows(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("a rollback's replay has no KV rows to write")
 
 
 class HybridRollback(RollbackHistory):
@@ -376,3 +382,11 @@ class HybridMemoryContext:
     ) -> torch.Tensor:
         """See :meth:`~rsmem.memory.kv_attention.KVCacheContext.attention`."""
         return self._parts()[1].attention(il, q, k, v, scale, ubatch)
+
+    def decode_cells(self, ubatch: UBatch | None = None) -> DecodeCells | None:
+        """See :meth:`~rsmem.memory.kv_attention.KVCacheContext.decode_cells`."""
+        return self._parts()[1].decode_cells(ubatch)
+
+    def layer_rows(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :meth:`~rsmem.memory.kv_attention.KVCacheContext.layer_rows`."""
+        return self._parts()[1].layer_rows(il)

@@ -171,6 +171,24 @@ class KVCacheContext:
             self._bias = additive(self.mask())
         return self._bias
 
+    # ------------------------------------------------ a decode step's cells, for a C++ step
+
+    def decode_cells(self, ubatch: UBatch | None = None) -> DecodeCells | None:
+        """For a float32 cache and ``ubatch`` the whole placed micro-batch: the flat K/V row
+        (``stream * size + cell``) each token's keys and values go to, ``[n_tokens]``, and each token's
+        visible rows as :func:`visible_rows` gives them (the token's own cell among them: its row is
+        written before it is read). None for another dtype or a column slice (the Python attention then)."""
+        if self.cache.dtype != torch.float32 or self._slice(ubatch) is not None:
+            return None
+        index, valid = visible_rows(self.mask(), self._stream_rows())
+        return self._row_index(), index, valid
+
+    def layer_rows(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``il``'s keys and values as flat rows ``[streams * size, width]`` (views: a write is the
+        cache's)."""
+        k_all, v_all = self.cache.k_l[il], self.cache.v_l[il]
+        return k_all.view(-1, k_all.shape[-1]), v_all.view(-1, v_all.shape[-1])
+
     # ------------------------------------------------ attention over gathered cells
 
     def _stream_rows(self) -> torch.Tensor:
@@ -265,6 +283,24 @@ ONE_THREAD_KV = 1 << 16
 
 
 Gathered = tuple[torch.Tensor, torch.Tensor]  # flat K/V row of each token's visible cells, and validity
+DecodeCells = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # store rows, then Gathered
+
+
+def visible_rows(mask: torch.Tensor, stream_rows: torch.Tensor) -> Gathered:
+    """Each token's visible cells of a mask ``[G, n, n_kv]`` as flat K/V rows ``[G * n, W]``
+    (``stream_rows[g] + cell``, in cell order, padded with row 0) and their validity ``[G * n, W]``, ``W``
+    the most any token sees (at least 1)."""
+    n_groups, n, _ = mask.shape
+    flat = mask.cpu().reshape(n_groups * n, -1)
+    counts = flat.sum(-1)
+    width = max(1, int(counts.max()) if counts.numel() else 1)
+    row, j = flat.nonzero(as_tuple=True)  # row-major: each token's cells in cell order
+    col = torch.arange(row.numel()) - (torch.cumsum(counts, 0) - counts)[row]
+    index = torch.zeros(n_groups * n, width, dtype=torch.long)
+    valid = torch.zeros(n_groups * n, width, dtype=torch.bool)
+    index[row, col] = stream_rows[row // n] + j
+    valid[row, col] = True
+    return index, valid
 
 
 def gathered_cells(mask: torch.Tensor, stream_rows: torch.Tensor) -> Gathered | None:
@@ -273,22 +309,13 @@ def gathered_cells(mask: torch.Tensor, stream_rows: torch.Tensor) -> Gathered | 
     flat K/V rows ``[G * n, W]`` (``stream_rows[g] + cell``, padded) and their validity ``[G * n, W]``,
     ``W`` the most any token sees. None when the gathered rows would not be at most half of those read
     (attention over the stream as it is is then as cheap), or with one token a group."""
-    n_groups, n, n_kv = mask.shape
+    _, n, n_kv = mask.shape
     if n < 2 or n_kv < 2:
         return None
-    counts = mask.sum(-1).view(-1)  # [G * n]
-    width = int(counts.max())
+    width = int(mask.sum(-1).max())
     if width == 0 or 2 * width > n_kv:
         return None
-    g, t, j = mask.cpu().nonzero(as_tuple=True)  # row-major: each token's cells in cell order
-    row = g * n + t
-    starts = torch.cumsum(counts, 0) - counts
-    col = torch.arange(row.numel()) - starts[row]
-    index = torch.zeros(n_groups * n, width, dtype=torch.long)
-    valid = torch.zeros(n_groups * n, width, dtype=torch.bool)
-    index[row, col] = stream_rows[g] + j
-    valid[row, col] = True
-    return index, valid
+    return visible_rows(mask, stream_rows)
 
 
 def attend_stored(

@@ -51,6 +51,17 @@ class HybridStates(StateAccess, Protocol):
         attend with ``q`` ``[n_tokens, n_head, d]``; returns ``[n_tokens, n_head * d]``."""
         ...
 
+    def decode_cells(
+        self, ubatch: UBatch | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a C++ decode step over the placed micro-batch: each token's KV row to write, its visible rows
+        and their validity; None where the step must take the Python attention."""
+        ...
+
+    def layer_rows(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``il``'s keys and values as flat rows (views)."""
+        ...
+
 
 def hold_all(held: HeldMatrices, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each ``[out, in]`` matrix of ``weights`` held by ``held``; float32 ones held as views of copies on

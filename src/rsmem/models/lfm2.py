@@ -20,12 +20,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
+from rsmem.models import hybrid_native
 from rsmem.models.compiled import CompileSetting, resolve_compile
 from rsmem.models.hybrid_decode import AttentionStep, Chains, Step
 from rsmem.models.hybrid_layers import (
@@ -40,6 +41,7 @@ from rsmem.models.hybrid_layers import (
     rope_neox,
     warm_up_decode,
 )
+from rsmem.models.hybrid_native import NativeBlock
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.hybrid_fused import (
@@ -145,6 +147,7 @@ class Lfm2Model:
         # the one-sequence compiled blocks stream [out, in] rows: float32 matrices held as views of them
         self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
         self.compile_decode = False
+        self._native: hybrid_native.HybridNativeStep | None = None
         self.set_compile(compile)
 
     @staticmethod
@@ -239,22 +242,67 @@ class Lfm2Model:
         return self.held.linear(y, ly.conv_out)
 
     def _decode(self, tokens: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
-        """One token of each sequence (``tokens`` ``[Bs]``) as compiled chains between the attention layers
-        (:mod:`rsmem.models.hybrid_decode`: one sequence's blocks stream ``[out, in]`` rows, several
-        sequences' the few-row kernel's operands); None (nothing read) when the state rows are not float32."""
+        """One token of each sequence (``tokens`` ``[Bs]``): the C++ step (:mod:`rsmem.models.hybrid_native`)
+        where it runs, else compiled chains between the attention layers (:meth:`_chains_logits`); None
+        (nothing read) when the state rows are not float32."""
         cfg = self.config
         rows = {il: states.read_states(il) for il in range(self.n_layer) if self.is_recurrent_layer(il)}
         if any(r.dtype != torch.float32 for r, _ in rows.values()):
             return None  # decoded eagerly: reading the rows again is harmless
         n_seqs = tokens.shape[0]
-        many = n_seqs > 1
+        windows = {il: r.view(n_seqs, cfg.d_model, cfg.l_cache - 1) for il, (r, _) in rows.items()}
+        x = self.embedding[tokens]  # [Bs, d_model]
+        rope = self.rope(ubatch)
+        twin = partial(self._chains_logits, x, ubatch, states, windows, rope)
+        fills = {il: (w,) for il, w in windows.items()}
+        logits = hybrid_native.decode(self._native_step(), x, ubatch, states, fills, rope, twin)
+        for il, window in windows.items():
+            states.write_states(il, window, rows[il][1])
+        return logits
+
+    def _native_step(self) -> hybrid_native.HybridNativeStep:
+        """The C++ step over this model's blocks, built at its first use."""
+        if self._native is None:
+            mat = partial(one_operand, self.held)
+            blocks = []
+            for il, ly in enumerate(self.layers):
+                att = ly.attention
+                tensors: tuple[Any, ...]
+                if att is not None:
+                    assert att.wqkv_t is not None and att.wo_t is not None
+                    qk_norms = (att.q_norm, att.k_norm)
+                    tensors = (ly.attn_norm, mat(att.wqkv_t), *qk_norms, mat(att.wo_t), None, None)
+                    heads = (att.n_head, att.n_head_kv)
+                    blocks.append(NativeBlock(hybrid_native.ATTENTION, il, tensors, heads, att.scale))
+                else:
+                    assert ly.conv_in is not None and ly.conv_out is not None
+                    tensors = (ly.attn_norm, mat(ly.conv_in), ly.conv, mat(ly.conv_out), None)
+                    blocks.append(NativeBlock(hybrid_native.CONV, il, tensors))
+                assert ly.gate_up is not None
+                ffn = (ly.ffn_norm, mat(ly.gate_up), mat(ly.ffn_down))
+                blocks.append(NativeBlock(hybrid_native.SWIGLU, il, ffn))
+            head = one_operand(self.held, self.lm_head)
+            self._native = hybrid_native.HybridNativeStep(blocks, self.norm_f, head, 1, self.config.eps)
+        return self._native
+
+    def _chains_logits(
+        self,
+        x: torch.Tensor,
+        ubatch: UBatch,
+        states: HybridStates,
+        windows: Mapping[int, torch.Tensor],
+        rope: RopeTables | None,
+    ) -> torch.Tensor:
+        """The decode step as compiled chains between the attention layers (:mod:`rsmem.models.hybrid_decode`:
+        one sequence's blocks stream ``[out, in]`` rows, several sequences' the few-row kernel's operands);
+        ``windows`` are updated in place."""
+        cfg = self.config
+        many = x.shape[0] > 1
         mat = partial(many_operand if many else one_operand, self.held)
         conv_block, out_block = (
             (self._conv_many, self._attn_out_many) if many else (self._conv, self._attn_out)
         )
-        rope = self.rope(ubatch)
         cos, sin = rope if rope is not None else (None, None)
-        windows = {il: r.view(n_seqs, cfg.d_model, cfg.l_cache - 1) for il, (r, _) in rows.items()}
         steps: list[Step | AttentionStep] = []
         for il, ly in enumerate(self.layers):
             att = ly.attention
@@ -273,14 +321,9 @@ class Lfm2Model:
         def attend(il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             return states.attention(il, q, k, v, scale, ubatch)
 
-        x = self.embedding[tokens]  # [Bs, d_model]
         if many:
             h = self._chains_many.run(x, steps, "norm", (self.norm_f,), cfg.eps, attend)
-            logits = many_head(self.held, output_rows(h, ubatch.output_rows()), self.lm_head)
-        else:
-            head = one_operand(self.held, self.lm_head)
-            logits = self._chains.run(x, steps, "head", (self.norm_f, head), cfg.eps, attend)
-            logits = logits[: len(ubatch.output_rows())]
-        for il, window in windows.items():
-            states.write_states(il, window, rows[il][1])
-        return logits
+            return many_head(self.held, output_rows(h, ubatch.output_rows()), self.lm_head)
+        head = one_operand(self.held, self.lm_head)
+        logits = self._chains.run(x, steps, "head", (self.norm_f, head), cfg.eps, attend)
+        return logits[: len(ubatch.output_rows())]

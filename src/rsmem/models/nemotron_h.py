@@ -18,12 +18,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
+from rsmem.models import hybrid_native
 from rsmem.models.compiled import CompileSetting, resolve_compile
 from rsmem.models.hybrid_decode import AttentionStep, Chains, Step
 from rsmem.models.hybrid_layers import (
@@ -36,6 +37,7 @@ from rsmem.models.hybrid_layers import (
     one_operand,
     warm_up_decode,
 )
+from rsmem.models.hybrid_native import NativeBlock
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.fused import mamba2_layer_many_, mamba2_layer_one_
@@ -164,6 +166,7 @@ class NemotronHModel:
         # the one-sequence compiled blocks stream [out, in] rows: float32 matrices held as views of them
         self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
         self.compile_decode = False
+        self._native: hybrid_native.HybridNativeStep | None = None
         self.set_compile(compile)
 
     @staticmethod
@@ -267,10 +270,9 @@ class NemotronHModel:
         return self.held.linear(y, mx.out_proj)
 
     def _decode(self, tokens: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
-        """One token of each sequence (``tokens`` ``[Bs]``) as compiled chains between the attention layers
-        (:mod:`rsmem.models.hybrid_decode`: one sequence's blocks stream ``[out, in]`` rows, several
-        sequences' the few-row kernel's operands); attention's KV part is eager. None (nothing read) when
-        the state rows are not float32."""
+        """One token of each sequence (``tokens`` ``[Bs]``): the C++ step (:mod:`rsmem.models.hybrid_native`)
+        where it runs, else compiled chains between the attention layers (:meth:`_chains_logits`); None
+        (nothing read) when the state rows are not float32."""
         cfg = self.config
         rows = {il: states.read_states(il) for il in range(self.n_layer) if self.is_recurrent_layer(il)}
         if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows.values()):
@@ -283,7 +285,53 @@ class NemotronHModel:
             )
             for il, (r, s) in rows.items()
         }
-        many = n_seqs > 1
+        x = self.embedding[tokens]  # [Bs, d_model]
+        twin = partial(self._chains_logits, x, ubatch, states, views)
+        logits = hybrid_native.decode(self._native_step(), x, ubatch, states, views, None, twin)
+        for il, (window, h_rows) in views.items():
+            states.write_states(il, window, h_rows)
+        return logits
+
+    def _native_step(self) -> hybrid_native.HybridNativeStep:
+        """The C++ step over this model's blocks, built at its first use."""
+        if self._native is None:
+            mat = partial(one_operand, self.held)
+            blocks = []
+            for il, ly in enumerate(self.layers):
+                if ly.mixer is not None:
+                    mx = ly.mixer
+                    tensors: tuple[Any, ...] = (
+                        ly.norm, mat(mx.in_proj), mx.conv_weight, mx.conv_bias, mx.dt_bias, mx.A, mx.D,
+                        mx.ssm_norm, mat(mx.out_proj), None, None,
+                    )  # fmt: skip
+                    blocks.append(NativeBlock(hybrid_native.MAMBA2, il, tensors))
+                elif ly.attention is not None:
+                    att = ly.attention
+                    assert att.wqkv_t is not None and att.wo_t is not None
+                    tensors = (ly.norm, mat(att.wqkv_t), None, None, mat(att.wo_t), None, None)
+                    heads = (att.n_head, att.n_head_kv)
+                    blocks.append(NativeBlock(hybrid_native.ATTENTION, il, tensors, heads, att.scale))
+                else:
+                    assert ly.ffn_up is not None and ly.ffn_down is not None
+                    tensors = (ly.norm, mat(ly.ffn_up), mat(ly.ffn_down))
+                    blocks.append(NativeBlock(hybrid_native.RELU2, il, tensors))
+            head = one_operand(self.held, self.lm_head)
+            cfg = self.config
+            self._native = hybrid_native.HybridNativeStep(blocks, self.norm_f, head, cfg.n_group, cfg.eps)
+        return self._native
+
+    def _chains_logits(
+        self,
+        x: torch.Tensor,
+        ubatch: UBatch,
+        states: HybridStates,
+        views: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """The decode step as compiled chains between the attention layers (:mod:`rsmem.models.hybrid_decode`:
+        one sequence's blocks stream ``[out, in]`` rows, several sequences' the few-row kernel's operands);
+        attention's KV part is eager; the ``views`` (window, h) are updated in place."""
+        cfg = self.config
+        many = x.shape[0] > 1
         mat = partial(many_operand if many else one_operand, self.held)
         if many:
             mamba, mlp, attn_out = self._mamba_many, self._mlp_many, self._attn_out_many
@@ -311,14 +359,9 @@ class NemotronHModel:
         def attend(il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             return states.attention(il, q, k, v, scale, ubatch)
 
-        x = self.embedding[tokens]  # [Bs, d_model]
         if many:
             h = self._chains_many.run(x, steps, "norm", (self.norm_f,), cfg.eps, attend)
-            logits = many_head(self.held, output_rows(h, ubatch.output_rows()), self.lm_head)
-        else:
-            head = one_operand(self.held, self.lm_head)
-            logits = self._chains.run(x, steps, "head", (self.norm_f, head), cfg.eps, attend)
-            logits = logits[: len(ubatch.output_rows())]
-        for il, (window, h_rows) in views.items():
-            states.write_states(il, window, h_rows)
-        return logits
+            return many_head(self.held, output_rows(h, ubatch.output_rows()), self.lm_head)
+        head = one_operand(self.held, self.lm_head)
+        logits = self._chains.run(x, steps, "head", (self.norm_f, head), cfg.eps, attend)
+        return logits[: len(ubatch.output_rows())]

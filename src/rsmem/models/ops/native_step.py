@@ -71,7 +71,7 @@ def _qtype(matrix: Any) -> int | None:
     return None if found is None else found[1]
 
 
-def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
+def difference(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest ``|a - b|`` relative to ``b``'s largest magnitude (inf for other shapes or non-finite
     values)."""
     if a.shape != b.shape:
@@ -180,10 +180,8 @@ class NativeStep:
         want = self.twin(x, norm_f, head, eps, *theirs)
         quantized = any(q not in FLOAT_QTYPES for q in (*qtypes, head_q))
         tol = QUANTIZED_CHECK_TOLERANCE if quantized else CHECK_TOLERANCE
-        diffs = [("logits", _difference(got, want))]
-        diffs += [
-            (name, _difference(mine[i], theirs[i])) for name, i in (("window", n - 2), ("state", n - 1))
-        ]
+        diffs = [("logits", difference(got, want))]
+        diffs += [(name, difference(mine[i], theirs[i])) for name, i in (("window", n - 2), ("state", n - 1))]
         what, worst = max(diffs, key=lambda item: item[1])
         if worst <= tol:
             return None
