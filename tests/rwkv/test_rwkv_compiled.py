@@ -1,6 +1,7 @@
 """The compiled decode steps of RWKV-7 and RWKV-6 against the eager models: one sequence (ops.wkv_fused)
 and several (ops.wkv_many, with a dynamic batch) under torch.compile give the same logits and the same
-state rows, token by token; half-precision state rows decode eagerly."""
+state rows, token by token; half-precision state rows decode eagerly. Each with the C++ step that takes the
+compiled steps' place where it runs (RSMEM_NATIVE_STEP=1) and without it."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ PROMPT = list(range(1, 12))
 
 
 @pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")
+@pytest.mark.parametrize("native", ["1", "0"])  # the C++ step (test_rwkv_native_step.py), the compiled one
 @pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
-def test_compiled_step_matches_eager(arch: str) -> None:
+def test_compiled_step_matches_eager(arch: str, native: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", native)
     eager = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=False)
     compiled = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=True)
     assert not eager.compile_decode and compiled.compile_decode
@@ -67,10 +70,14 @@ def state_rows(blob: bytes, n_embd: int = 128, head_size: int = 64, n_layer: int
 
 
 @pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")
+@pytest.mark.parametrize("native", ["1", "0"])
 @pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
-def test_compiled_batched_decode_matches_eager(arch: str) -> None:
+def test_compiled_batched_decode_matches_eager(
+    arch: str, native: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Several sequences (one compiled call a step, the packed products inside it, a dynamic batch): logits
     and state rows as the eager path, at two batch sizes, with only some sequences asking for logits."""
+    monkeypatch.setenv("RSMEM_NATIVE_STEP", native)
     eager = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=False)
     compiled = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=True)
     contexts = [Context(m, n_seq_max=5) for m in (eager, compiled)]

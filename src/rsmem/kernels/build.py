@@ -41,6 +41,8 @@ SOURCES = (
     "mamba2_step.cpp",
     "mamba_step.cpp",
     "hybrid_step.cpp",
+    "rwkv7_step.cpp",
+    "rwkv6_step.cpp",
 )
 HEADERS = (
     "blocks.h",

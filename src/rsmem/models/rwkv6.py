@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompiledStep
+from rsmem.models.ops.native_step import NativeStep
 from rsmem.models.ops.wkv6 import wkv6_chunked_, wkv6_intra, wkv6_step_
 from rsmem.models.ops.wkv_fused import N6_PER_LAYER, RWKV6_FIELDS, rwkv6_token_one_
 from rsmem.models.ops.wkv_many import MANY_OPTIONS, rwkv6_token_many_
@@ -122,6 +123,30 @@ class Rwkv6Model(RwkvModelBase):
             options=MANY_OPTIONS,
         )
         self.wkv_intra = CompiledStep(wkv6_intra, batch_args=tuple(range(5)))
+
+    def native_step(self) -> NativeStep | None:
+        """``rsmem_native::rwkv6_step`` (``kernels/csrc/rwkv6_step.cpp``), checked against
+        :func:`~rsmem.models.ops.wkv_fused.rwkv6_token_one_`."""
+        emb_norm, emb_norm_b, norm_f_b = self.emb_norm, self.emb_norm_b, self.norm_f_b
+        cfg = self.config
+
+        def twin(x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, *flat: Any) -> torch.Tensor:
+            return rwkv6_token_one_(
+                x,
+                emb_norm,
+                emb_norm_b,
+                norm_f,
+                norm_f_b,
+                head,
+                eps,
+                cfg.n_head,
+                cfg.rescale_every_n_layers,
+                *flat,
+            )
+
+        matrices = tuple(RWKV6_FIELDS.index(name) for name in self.matrices)
+        consts = (cfg.eps, cfg.n_head, cfg.rescale_every_n_layers, emb_norm, emb_norm_b, norm_f_b)
+        return NativeStep("rwkv6_step", twin, N6_PER_LAYER, matrices, consts)
 
     def step_fields(self, ly: Rwkv6Layer, operand: Callable[[torch.Tensor], Any]) -> list[Any]:
         return [operand(getattr(ly, n)) if n in self.matrices else getattr(ly, n) for n in RWKV6_FIELDS]

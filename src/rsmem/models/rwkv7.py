@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompiledStep
+from rsmem.models.ops.native_step import NativeStep
 from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_intra, wkv7_step_
 from rsmem.models.ops.wkv_fused import N_PER_LAYER, RWKV7_FIELDS, rwkv7_token_one_
 from rsmem.models.ops.wkv_many import MANY_OPTIONS, rwkv7_token_many_
@@ -141,6 +142,20 @@ class Rwkv7Model(RwkvModelBase):
             options=MANY_OPTIONS,
         )
         self.wkv_intra = CompiledStep(wkv7_intra, batch_args=tuple(range(6)))
+
+    def native_step(self) -> NativeStep | None:
+        """``rsmem_native::rwkv7_step`` (``kernels/csrc/rwkv7_step.cpp``), checked against
+        :func:`~rsmem.models.ops.wkv_fused.rwkv7_token_one_` over the first two layers (the second mixes in
+        the first's values)."""
+        emb_norm, emb_norm_b, norm_f_b = self.emb_norm, self.emb_norm_b, self.norm_f_b
+        n_head = self.config.n_head
+
+        def twin(x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, *flat: Any) -> torch.Tensor:
+            return rwkv7_token_one_(x, emb_norm, emb_norm_b, norm_f, norm_f_b, head, eps, n_head, *flat)
+
+        matrices = tuple(RWKV7_FIELDS.index(name) for name in self.matrices)
+        consts = (self.config.eps, n_head, emb_norm, emb_norm_b, norm_f_b)
+        return NativeStep("rwkv7_step", twin, N_PER_LAYER, matrices, consts, span=2)
 
     def step_fields(self, ly: Rwkv7Layer, operand: Callable[[torch.Tensor], Any]) -> list[Any]:
         fields = []

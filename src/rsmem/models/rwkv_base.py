@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.fused import RowsOperand
+from rsmem.models.ops.native_step import NativeStep
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import HeldMatrices
 from rsmem.models.ops.small_rows import SmallRows, many_operand, one_operand
@@ -132,6 +133,7 @@ class RwkvModelBase:
         self._rows_contiguous = all(m.t().is_contiguous() for m in matrices)
         self.compile_decode = False
         self._steps_made = False
+        self._native: NativeStep | None = None
         # the WKV kernel's within-chunk part compiled for prefill (made with the compiled steps)
         self.wkv_intra: CompiledStep[tuple[torch.Tensor, ...]] | None = None
         self.set_compile(compile)
@@ -165,6 +167,7 @@ class RwkvModelBase:
             self._fields_one = [self.step_fields(ly, self.one_operand) for ly in self.layers]
             self._fields_many = [self.step_fields(ly, self.rows_operand) for ly in self.layers]
             self._head_many = self.rows_operand(self.lm_head)
+            self._native = self.native_step()
             self._steps_made = True
         return self.compile_decode
 
@@ -213,6 +216,10 @@ class RwkvModelBase:
         Context(self, n_seq_max=2).decode(Batch([1, 2], seq_ids=[[0], [1]], logits=[True, True]))
         return time.perf_counter() - started
 
+    def native_step(self) -> NativeStep | None:
+        """The architecture's decode step in C++ (RWKV-7), else None."""
+        return None
+
     def step_fields(self, ly: Any, operand: Callable[[torch.Tensor], Any]) -> list[Any]:
         """The layer's tensors in the order the steps take them, each of :attr:`matrices` as ``operand``
         gives it (``[out, in]`` for one sequence, :meth:`rows_operand` for several)."""
@@ -256,14 +263,30 @@ class RwkvModelBase:
         if rows is None:
             return None
         n_seqs = tokens.shape[0]
-        flat: list[Any] = []
-        for ly_fields, (r, s) in zip(fields, rows, strict=True):
-            flat += ly_fields
-            flat += [r.view(n_seqs, 2, cfg.d_model), s.view(n_seqs, cfg.n_head, cfg.head_size, cfg.head_size)]
+        views = [
+            (r.view(n_seqs, 2, cfg.d_model), s.view(n_seqs, cfg.n_head, cfg.head_size, cfg.head_size))
+            for r, s in rows
+        ]
         x = self.embedding[tokens]
-        logits = step(
-            x, self.emb_norm, self.emb_norm_b, self.norm_f, self.norm_f_b, lm_head, *self.step_consts(), *flat
-        )
+        logits = None
+        native = self._native
+        if native is not None and native.usable(n_seqs):  # the C++ step takes the one-sequence operands
+            flat = [t for f, v in zip(self._fields_one, views, strict=True) for t in (*f, *v)]
+            head = self._head_one
+            if native.accepts(head, flat) and native.check(x, self.norm_f, head, cfg.eps, flat):
+                logits = native(x, self.norm_f, head, cfg.eps, *flat)
+        if logits is None:  # no C++ step, its check failed, or an operand it does not take
+            flat = [t for f, v in zip(fields, views, strict=True) for t in (*f, *v)]
+            logits = step(
+                x,
+                self.emb_norm,
+                self.emb_norm_b,
+                self.norm_f,
+                self.norm_f_b,
+                lm_head,
+                *self.step_consts(),
+                *flat,
+            )
         per_layer = len(flat) // self.n_layer
         for il in range(self.n_layer):
             states.write_states(il, flat[(il + 1) * per_layer - 2], flat[(il + 1) * per_layer - 1])

@@ -76,6 +76,23 @@ inline void conv_silu_token(const float* __restrict in, float* __restrict window
   }
 }
 
+inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
+
+// out = layer_norm(x) over n values with weight w and bias b
+inline void layer_norm_row(const float* x, const float* w, const float* b, float* out, int64_t n, float eps) {
+  float mean = 0.f, var = 0.f;
+  for (int64_t j = 0; j < n; ++j) mean += x[j];
+  mean /= static_cast<float>(n);
+  for (int64_t j = 0; j < n; ++j) var += (x[j] - mean) * (x[j] - mean);
+  const float inv = 1.f / std::sqrt(var / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) out[j] = (x[j] - mean) * inv * w[j] + b[j];
+}
+
+inline void layer_norm_rows(const float* x, const float* w, const float* b, float* out, int64_t M, int64_t n,
+                     float eps) {
+  for (int64_t m = 0; m < M; ++m) layer_norm_row(x + m * n, w, b, out + m * n, n, eps);
+}
+
 // Activation rows from which a float32 product goes to at::mm (BLAS) instead of the few-row kernel: at 16
 // rows the two are about even (models/ops/small_rows.py).
 constexpr int64_t kFewRowsMax = 16;
@@ -103,6 +120,17 @@ inline void add_product(float* __restrict x, const at::Tensor& y, const at::Tens
   const int64_t total = out.numel();
   for (int64_t j = 0; j < total; ++j) x[j] += op[j];
 }
+
+// a low-rank matrix: float32 [rows, cols], contiguous
+inline void check_lora(const char* op, const at::Tensor& t, int64_t rows, int64_t cols, const char* what) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat && t.dim() == 2 && t.is_contiguous() &&
+                        (rows < 0 || t.size(0) == rows) && (cols < 0 || t.size(1) == cols),
+                    op, ": ", what, " must be a contiguous float32 matrix [", rows, ", ", cols, "], got ",
+                    t.scalar_type(), " ", t.sizes());
+}
+
+// x [M, K] @ lora [N, K]^T for a checked low-rank matrix
+inline at::Tensor lora(const at::Tensor& x, const at::Tensor& w) { return product(x, w, -1); }
 
 }  // namespace step
 }  // namespace rsmem

@@ -86,8 +86,10 @@ class NativeStep:
     """The decode step of up to :data:`MAX_ROWS` sequences through the op ``rsmem_native.<op>``.
 
     ``twin``: the compiled step's function, ``(x, norm_f, head, eps, *flat)`` with ``flat`` each layer's
-    ``n_fields`` tensors (window and h last); ``matrices``: the positions among them of the matrices the op
-    takes with a qtype each; ``consts``: the op's arguments after the head's qtype.
+    ``n_fields`` tensors (its two states last); ``matrices``: the positions among them of the matrices the
+    op takes with a qtype each; ``consts``: the op's arguments after the head's qtype; ``span``: the layers
+    the first call's check runs together (2 where a layer differs from the first, as RWKV-7's value-residual
+    mix).
     """
 
     def __init__(
@@ -96,13 +98,15 @@ class NativeStep:
         twin: Callable[..., torch.Tensor],
         n_fields: int,
         matrices: tuple[int, ...],
-        consts: tuple[float | int, ...],
+        consts: tuple[Any, ...],
+        span: int = 1,
     ) -> None:
         self.op = op
         self.twin = twin
         self.n_fields = n_fields
         self.matrices = matrices
         self.consts = consts
+        self.span = span
         self.failed: BaseException | str | None = None
         self._checked = False
         self._cache: tuple[tuple[int, ...], list[torch.Tensor], list[int], torch.Tensor, int] | None = None
@@ -166,22 +170,27 @@ class NativeStep:
         return getattr(self.ops(), self.op)(x, layers, qtypes, norm_f, head_w, head_q, *self.consts)
 
     def _compare(
-        self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, layer: list[Any]
+        self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, layers: list[Any]
     ) -> str | None:
-        """One layer (then the final norm and the head) through the op and through the twin, on copies of
-        the first sequence's states: None, or what differs beyond the bound (the twin is the one-sequence
-        step's function; the op's rows are independent of each other)."""
+        """Consecutive layers (then the final norm and the head) through the op and through the twin, on
+        copies of the first sequence's states: None, or what differs beyond the bound (the twin is the
+        one-sequence step's function; the op's rows are independent of each other)."""
         n = self.n_fields
         x = x[:1]
-        mine = layer[: n - 2] + [t[:1].clone() for t in layer[n - 2 :]]
-        theirs = layer[: n - 2] + [t[:1].clone() for t in layer[n - 2 :]]
+        mine, theirs = [], []
+        for i, t in enumerate(layers):
+            state = i % n >= n - 2
+            mine.append(t[:1].clone() if state else t)
+            theirs.append(t[:1].clone() if state else t)
         tensors, qtypes, head_w, head_q = self._build(head, mine)
         got = getattr(self.ops(), self.op)(x, tensors, qtypes, norm_f, head_w, head_q, *self.consts)
         want = self.twin(x, norm_f, head, eps, *theirs)
         quantized = any(q not in FLOAT_QTYPES for q in (*qtypes, head_q))
         tol = QUANTIZED_CHECK_TOLERANCE if quantized else CHECK_TOLERANCE
         diffs = [("logits", difference(got, want))]
-        diffs += [(name, difference(mine[i], theirs[i])) for name, i in (("window", n - 2), ("state", n - 1))]
+        for i in range(0, len(layers), n):
+            for name, k in (("first state", i + n - 2), ("second state", i + n - 1)):
+                diffs.append((name, difference(mine[k], theirs[k])))
         what, worst = max(diffs, key=lambda item: item[1])
         if worst <= tol:
             return None
@@ -193,18 +202,19 @@ class NativeStep:
     def check(
         self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, flat: Sequence[Any]
     ) -> bool:
-        """Once: the op against the twin, one layer of each kind (the qtypes of its matrices) at a time, on
-        copies of its states; False (and a warning) where it fails. A layer at a time: through a random
-        model's depth the int8 routes' rounding compounds (a random 130M Q8_0 Mamba's last states differed
-        by 0.22 of their largest magnitude between the compiled step and its own function run eagerly)."""
+        """Once: the op against the twin, ``span`` layers of each kind (the qtypes of their matrices) at a
+        time, on copies of their states; False (and a warning) where it fails. A few layers at a time:
+        through a random model's depth the int8 routes' rounding compounds (a random 130M Q8_0 Mamba's last
+        states differed by 0.22 of their largest magnitude between the compiled step and its own function
+        run eagerly)."""
         if not self._checked:
             self._checked = True
-            n = self.n_fields
-            kinds: dict[tuple[int, ...], list[Any]] = {}
-            for i in range(0, len(flat), n):
-                layer = list(flat[i : i + n])
-                kind = tuple(q for m in self.matrices if (q := _qtype(layer[m])) is not None)
-                kinds.setdefault(kind, layer)
+            n, span = self.n_fields, min(self.span, len(flat) // self.n_fields)
+            kinds: dict[tuple[int | None, ...], list[Any]] = {}
+            for i in range(0, len(flat) - n * span + 1, n):
+                layers = list(flat[i : i + n * span])
+                kind = tuple(_qtype(layers[j + m]) for j in range(0, len(layers), n) for m in self.matrices)
+                kinds.setdefault(kind, layers)
             try:
                 for layer in kinds.values():
                     self.failed = self._compare(x, norm_f, head, eps, layer)

@@ -1,0 +1,221 @@
+// RWKV-6's one-token decode step in C++, as rwkv7_step.cpp is RWKV-7's: one op call a token of one or a few
+// sequences.
+//
+//   rwkv6_step(x [M, C], layers: 26 tensors a layer, qtypes [8 a layer: receptance, key, value, gate,
+//       output, ffn_key, ffn_value, ffn_receptance], norm_f, head, head_qtype, eps, n_head, rescale_every,
+//       emb_norm, emb_norm_b, norm_f_b) -> logits [M, n_vocab]
+//
+// A layer's tensors are rsmem.models.ops.wkv_fused.RWKV6_FIELDS in order, then its token-shift rows
+// [M, 2, C] and WKV state [M, H, N(k), N(v)], both updated in place:
+//   attn_norm, attn_norm_b, ffn_norm, ffn_norm_b, lerp_x, lerp [5, C] (w, k, v, r, g), w1 [5 E, C],
+//   w2 [5, C, E], decay, decay_w1 [Ed, C], decay_w2 [C, Ed], first (u) [C], receptance, key, value, gate,
+//   output, ln_x, ln_x_b, ffn_lerp_k, ffn_lerp_r, ffn_key [F, C], ffn_value [C, F], ffn_receptance [C, C]
+// Per layer, as llama.cpp's rwkv6 graph: h = layer_norm(x), sx = shift - h; the data-dependent lerps
+// x + sx (lerp_i + w2_i tanh((h + sx lerp_x) w1^T)_i); r, k, v, g = silu(xg gate^T); the decay
+// w = exp(-exp(decay + tanh(xw decay_w1^T) decay_w2^T)); per head y = S^T r + (r . u k) v, then
+// S = diag(w) S + k v^T; group norm (eps 64e-5) of each head; x += (y g) output^T; the channel mix
+// f = layer_norm(x), x += sigmoid(xr ffn_receptance^T) * (relu(xk ffn_key^T)^2 ffn_value^T); the residual
+// halved after every rescale_every-th layer (0: never).
+//
+// Reference twin: rsmem.models.ops.wkv_fused.rwkv6_token_one_ (tests/kernels/test_rwkv_step.py).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "pool.h"
+#include "step_common.h"
+
+namespace rsmem {
+namespace {
+
+using step::check_f32;
+using step::check_matrix;
+using step::layer_norm_rows;
+using step::lora;
+using step::product;
+using step::sigmoid;
+using step::silu;
+
+constexpr const char* kOp = "rwkv6 step";
+constexpr int64_t kLayerTensors = 26;
+constexpr int64_t kQtypes = 8;
+constexpr float kGroupNormEps = 64e-5f;
+
+void check_layer(const at::Tensor* t, const int64_t* q, int64_t M, int64_t C, int64_t H) {
+  const int64_t N = C / H;
+  for (int i : {0, 1, 2, 3, 4, 8, 11, 17, 18, 19, 20}) check_f32(kOp, t[i], C, "a layer's vector");
+  check_f32(kOp, t[5], 5 * C, "lerp");
+  step::check_lora(kOp, t[6], -1, C, "w1");
+  TORCH_CHECK_VALUE(t[6].size(0) % 5 == 0, kOp, ": w1 must have 5 E rows, got ", t[6].sizes());
+  const int64_t E = t[6].size(0) / 5;
+  check_f32(kOp, t[7], 5 * C * E, "w2");
+  step::check_lora(kOp, t[9], -1, C, "decay_w1");
+  step::check_lora(kOp, t[10], C, t[9].size(0), "decay_w2");
+  const char* names[] = {"receptance", "key", "value", "gate", "output"};
+  for (int i = 0; i < 5; ++i) check_matrix(kOp, t[12 + i], q[i], C, C, names[i]);
+  TORCH_CHECK_VALUE(t[22].dim() == 2 && t[22].size(0) == C, kOp, ": ffn_value must be [", C, ", F], got ",
+                    t[22].sizes());
+  const int64_t F = t[22].size(1);
+  check_matrix(kOp, t[21], q[5], F, C, "ffn_key");
+  check_matrix(kOp, t[22], q[6], C, F, "ffn_value");
+  check_matrix(kOp, t[23], q[7], C, C, "ffn_receptance");
+  check_f32(kOp, t[24], M * 2 * C, "shift");
+  check_f32(kOp, t[25], M * H * N * N, "wkv");
+}
+
+// y = S^T r + (r . u k) v, then S = diag(w) S + k v^T, for every (sequence, head): S [N(k), N(v)]
+void wkv6(float* S, const float* r, const float* w, const float* k, const float* v, const float* u, float* y,
+          int64_t M, int64_t H, int64_t N) {
+  const int64_t C = H * N;
+  pool::parallel_for(0, M * H, std::max<int64_t>(1, 4096 / (N * N)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t off = (i / H) * C + (i % H) * N, uo = (i % H) * N;
+      float* st = S + i * N * N;
+      const float* vv = v + off;
+      float* yo = y + off;
+      float bonus = 0.f;
+      for (int64_t j = 0; j < N; ++j) bonus += r[off + j] * u[uo + j] * k[off + j];
+#pragma omp simd
+      for (int64_t c = 0; c < N; ++c) yo[c] = bonus * vv[c];
+      for (int64_t j = 0; j < N; ++j) {
+        float* row = st + j * N;
+        const float rj = r[off + j], wj = w[off + j], kj = k[off + j];
+#pragma omp simd
+        for (int64_t c = 0; c < N; ++c) {
+          yo[c] += row[c] * rj;
+          row[c] = row[c] * wj + kj * vv[c];
+        }
+      }
+    }
+  });
+}
+
+at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArrayRef qtypes,
+                      const at::Tensor& norm_f, const at::Tensor& head, int64_t head_qtype, double eps,
+                      int64_t n_head, int64_t rescale_every, const at::Tensor& emb_norm,
+                      const at::Tensor& emb_norm_b, const at::Tensor& norm_f_b) {
+  TORCH_CHECK_VALUE(layers.size() % kLayerTensors == 0 && qtypes.size() * kLayerTensors == kQtypes * layers.size(),
+                    kOp, ": 26 tensors and 8 qtypes a layer, got ", layers.size(), " and ", qtypes.size());
+  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1, kOp,
+                    ": x must be float32 [M, C], got ", x_in.sizes());
+  const int64_t M = x_in.size(0), C = x_in.size(1);
+  TORCH_CHECK_VALUE(n_head > 0 && C % n_head == 0, kOp, ": ", n_head, " heads do not split ", C, " channels");
+  const int64_t H = n_head, N = C / H;
+  const int64_t n_layer = static_cast<int64_t>(layers.size()) / kLayerTensors;
+  for (int64_t il = 0; il < n_layer; ++il) {
+    check_layer(layers.data() + il * kLayerTensors, qtypes.data() + il * kQtypes, M, C, H);
+  }
+  for (const at::Tensor* t : {&emb_norm, &emb_norm_b, &norm_f, &norm_f_b}) check_f32(kOp, *t, C, "a norm");
+  TORCH_CHECK_VALUE(head.dim() == 2, kOp, ": head must be a matrix, got ", head.sizes());
+  check_matrix(kOp, head, head_qtype, head.size(0), C, "head");
+
+  const float feps = static_cast<float>(eps);
+  const auto opts = x_in.options();
+  at::Tensor x = at::empty({M, C}, opts), h = at::empty({M, C}, opts), f = at::empty({M, C}, opts);
+  at::Tensor base = at::empty({M, C}, opts), mix = at::empty({5, M, C}, opts), w = at::empty({M, C}, opts);
+  at::Tensor y = at::empty({M, C}, opts), fk = at::empty({M, C}, opts), fr = at::empty({M, C}, opts);
+  float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *fp = f.data_ptr<float>();
+  float *bp = base.data_ptr<float>(), *mp = mix.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *fkp = fk.data_ptr<float>(), *frp = fr.data_ptr<float>();
+  layer_norm_rows(x_in.contiguous().data_ptr<float>(), emb_norm.data_ptr<float>(), emb_norm_b.data_ptr<float>(),
+                  xp, M, C, feps);
+  for (int64_t il = 0; il < n_layer; ++il) {
+    const at::Tensor* t = layers.data() + il * kLayerTensors;
+    const int64_t* q = qtypes.data() + il * kQtypes;
+    auto vec = [&](int i) { return t[i].data_ptr<float>(); };
+    float* shift = t[24].data_ptr<float>();
+    layer_norm_rows(xp, vec(0), vec(1), hp, M, C, feps);
+    const float *lerp_x = vec(4), *lerp = vec(5);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t j = 0; j < C; ++j) {
+        const int64_t e = m * C + j;
+        bp[e] = hp[e] + (shift[m * 2 * C + j] - hp[e]) * lerp_x[j];
+      }
+    }
+    const at::Tensor mixer = at::tanh(lora(base, t[6]));  // [M, 5 E]
+    const int64_t E = t[6].size(0) / 5;
+    const float *mx = mixer.data_ptr<float>(), *w2 = vec(7);
+    for (int i = 0; i < 5; ++i) {
+      for (int64_t m = 0; m < M; ++m) {
+        const float* me = mx + m * 5 * E + i * E;
+        float* out = mp + (i * M + m) * C;
+        for (int64_t j = 0; j < C; ++j) {
+          const float* w2r = w2 + (i * C + j) * E;
+          float off = 0.f;
+#pragma omp simd reduction(+ : off)
+          for (int64_t e = 0; e < E; ++e) off += w2r[e] * me[e];
+          const int64_t at = m * C + j;
+          out[j] = hp[at] + (shift[m * 2 * C + j] - hp[at]) * (off + lerp[i * C + j]);
+        }
+      }
+    }
+    auto part = [&](int i) { return mix[i]; };  // w, k, v, r, g: [M, C]
+    const at::Tensor r = product(part(3), t[12], q[0]);
+    const at::Tensor k = product(part(1), t[13], q[1]);
+    const at::Tensor v = product(part(2), t[14], q[2]);
+    at::Tensor g = product(part(4), t[15], q[3]);
+    const at::Tensor dw = lora(at::tanh(lora(part(0), t[9])), t[10]);
+    const float *dwp = dw.data_ptr<float>(), *decay = vec(8);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t j = 0; j < C; ++j) wp[m * C + j] = std::exp(-std::exp(decay[j] + dwp[m * C + j]));
+    }
+    wkv6(t[25].data_ptr<float>(), r.data_ptr<float>(), wp, k.data_ptr<float>(), v.data_ptr<float>(), vec(11), yp,
+         M, H, N);
+    const float *ln_w = vec(17), *ln_b = vec(18);
+    float* gp = g.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t hh = 0; hh < H; ++hh) {
+        float* yh = yp + m * C + hh * N;
+        float mean = 0.f, var = 0.f;
+        for (int64_t j = 0; j < N; ++j) mean += yh[j];
+        mean /= static_cast<float>(N);
+        for (int64_t j = 0; j < N; ++j) var += (yh[j] - mean) * (yh[j] - mean);
+        const float inv = 1.f / std::sqrt(var / static_cast<float>(N) + kGroupNormEps);
+        for (int64_t j = 0; j < N; ++j) {
+          const int64_t c = hh * N + j;
+          yh[j] = ((yh[j] - mean) * inv * ln_w[c] + ln_b[c]) * silu(gp[m * C + c]);
+        }
+      }
+    }
+    step::add_product(xp, y, t[16], q[4]);
+    // the channel mix; the shift rows take this token's normed inputs
+    layer_norm_rows(xp, vec(2), vec(3), fp, M, C, feps);
+    const float *lerp_k = vec(19), *lerp_r = vec(20);
+    for (int64_t m = 0; m < M; ++m) {
+      float* prev = shift + m * 2 * C;
+      for (int64_t j = 0; j < C; ++j) {
+        const int64_t e = m * C + j;
+        const float sx = prev[C + j] - fp[e];
+        fkp[e] = fp[e] + sx * lerp_k[j];
+        frp[e] = fp[e] + sx * lerp_r[j];
+        prev[j] = hp[e];
+        prev[C + j] = fp[e];
+      }
+    }
+    const at::Tensor rf = product(fr, t[23], q[7]);
+    at::Tensor kf = product(fk, t[21], q[5]);
+    float* kfp = kf.data_ptr<float>();
+    for (int64_t e = 0; e < kf.numel(); ++e) kfp[e] = kfp[e] > 0.f ? kfp[e] * kfp[e] : 0.f;
+    const at::Tensor out = product(kf, t[22], q[6]);
+    const float *op = out.data_ptr<float>(), *rfp = rf.data_ptr<float>();
+    const bool halve = rescale_every > 0 && (il + 1) % rescale_every == 0;
+    for (int64_t e = 0; e < M * C; ++e) {
+      xp[e] += sigmoid(rfp[e]) * op[e];
+      if (halve) xp[e] *= 0.5f;
+    }
+  }
+  layer_norm_rows(xp, norm_f.data_ptr<float>(), norm_f_b.data_ptr<float>(), hp, M, C, feps);
+  return product(h, head, head_qtype);
+}
+
+}  // namespace
+}  // namespace rsmem
+
+TORCH_LIBRARY_FRAGMENT(RSMEM_OPS_NS, m) {
+  m.def(
+      "rwkv6_step(Tensor x, Tensor[] layers, int[] qtypes, Tensor norm_f, Tensor head, int head_qtype, "
+      "float eps, int n_head, int rescale_every, Tensor emb_norm, Tensor emb_norm_b, Tensor norm_f_b) -> Tensor",
+      &rsmem::rwkv6_step);
+}

@@ -1,0 +1,249 @@
+// RWKV-7's one-token decode step in C++: one op call a token of one or a few sequences, instead of a compiled
+// graph whose dynamo guards (~30 inputs a layer) and Python wrapper cost more than its glue computes.
+//
+//   rwkv7_step(x [M, C], layers: 30 tensors a layer, qtypes [6 a layer: receptance, key, value, output,
+//       ffn_key, ffn_value], norm_f, head, head_qtype, eps, n_head, emb_norm, emb_norm_b, norm_f_b)
+//       -> logits [M, n_vocab]
+//
+// A layer's tensors are rsmem.models.ops.wkv_fused.RWKV7_FIELDS in order, then its token-shift rows
+// [M, 2, C] and WKV state [M, H, N(v), N(k)], both updated in place:
+//   attn_norm, attn_norm_b, ffn_norm, ffn_norm_b, lerp [6, C] (r, w, k, v, a, g), w0, w1 [Lw, C], w2 [C, Lw],
+//   a0, a1, a2, v0, v1, v2, g1, g2, k_k, k_a, r_k, receptance, key, value, output, ln_x, ln_x_b,
+//   ffn_lerp_k, ffn_key [F, C], ffn_value [C, F]
+// The six big matrices are float32 [out, in] with contiguous rows (qtype -1) or blocks for
+// rsmem_native::qmatmul; the low-rank ones float32 [out, in]. The first layer's values are every later
+// layer's value-residual target (its v0, v1, v2 are not read). Per layer, as llama.cpp's rwkv7 graph:
+//   h = layer_norm(x); six lerps of h with the shifted row; r, k, v; the decay w = exp(-e^-0.5 sigmoid(w0 +
+//   tanh(xw w1^T) w2^T)); v += (v_first - v) sigmoid(v0 + xv v1^T v2^T) (not in the first layer);
+//   a = sigmoid(a0 + xa a1^T a2^T); g = sigmoid(xg g1^T) g2^T; kk = L2-normalised k k_k per head;
+//   k *= 1 + (a - 1) k_a; per head S = S diag(w) + (S (-kk)) (kk a)^T + v k^T, y = S r; group norm (eps
+//   64e-5) of each head; y += (r . k r_k) v per head; x += (y g) output^T; then the channel mix
+//   f = layer_norm(x), x += relu((f + (shift - f) lerp_k) ffn_key^T)^2 ffn_value^T.
+// The WKV update of every sequence's heads is shared between rsmem's product workers (pool.h).
+//
+// Reference twin: rsmem.models.ops.wkv_fused.rwkv7_token_one_, the compiled step's own function
+// (tests/kernels/test_rwkv_step.py).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "pool.h"
+#include "step_common.h"
+
+namespace rsmem {
+namespace {
+
+using step::check_f32;
+using step::check_matrix;
+using step::lora;
+using step::layer_norm_rows;
+using step::product;
+using step::sigmoid;
+
+constexpr const char* kOp = "rwkv7 step";
+constexpr int64_t kLayerTensors = 30;
+constexpr int64_t kQtypes = 6;
+constexpr float kGroupNormEps = 64e-5f;
+constexpr float kDecayScale = 0.606531f;
+constexpr int kMatrix[kQtypes] = {19, 20, 21, 22, 26, 27};
+
+void check_layer(const at::Tensor* t, const int64_t* q, bool first, int64_t M, int64_t C, int64_t H) {
+  const int64_t N = C / H;
+  for (int i : {0, 1, 2, 3, 5, 8, 16, 17, 18, 23, 24, 25}) check_f32(kOp, t[i], C, "a layer's vector");
+  check_f32(kOp, t[4], 6 * C, "lerp");
+  const char* loras[] = {"w", "a", "v", "g"};
+  const int first_of[] = {6, 9, 12, 14};
+  for (int l = 0; l < 4; ++l) {
+    if (l == 2 && first) continue;  // the first layer's value-residual mix is not read
+    const at::Tensor& down = t[first_of[l]];
+    step::check_lora(kOp, down, -1, C, loras[l]);
+    step::check_lora(kOp, t[first_of[l] + 1], C, down.size(0), loras[l]);
+  }
+  if (!first) check_f32(kOp, t[11], C, "v0");
+  check_matrix(kOp, t[19], q[0], C, C, "receptance");
+  check_matrix(kOp, t[20], q[1], C, C, "key");
+  check_matrix(kOp, t[21], q[2], C, C, "value");
+  check_matrix(kOp, t[22], q[3], C, C, "output");
+  TORCH_CHECK_VALUE(t[27].dim() == 2 && t[27].size(0) == C, kOp, ": ffn_value must be [", C, ", F], got ",
+                    t[27].sizes());
+  const int64_t F = t[27].size(1);
+  check_matrix(kOp, t[26], q[4], F, C, "ffn_key");
+  check_matrix(kOp, t[27], q[5], C, F, "ffn_value");
+  check_f32(kOp, t[28], M * 2 * C, "shift");
+  check_f32(kOp, t[29], M * H * N * N, "wkv");
+}
+
+// the WKV update and readout of every (sequence, head): S [N(v), N(k)]
+void wkv7(float* S, const float* r, const float* w, const float* k, const float* v, const float* kk,
+          const float* a, float* y, int64_t M, int64_t H, int64_t N) {
+  const int64_t C = H * N;
+  pool::parallel_for(0, M * H, std::max<int64_t>(1, 4096 / (N * N)), [&](int64_t i0, int64_t i1) {
+    float nkk[256], b[256];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t off = (i / H) * C + (i % H) * N;
+      for (int64_t j = 0; j < N; ++j) {
+        nkk[j] = -kk[off + j];
+        b[j] = kk[off + j] * a[off + j];
+      }
+      float* st = S + i * N * N;
+      const float *rr = r + off, *ww = w + off, *kh = k + off;
+      for (int64_t vi = 0; vi < N; ++vi) {
+        float* row = st + vi * N;
+        float sa = 0.f;
+#pragma omp simd reduction(+ : sa)
+        for (int64_t j = 0; j < N; ++j) sa += row[j] * nkk[j];
+        const float vv = v[off + vi];
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < N; ++j) {
+          const float s = row[j] * ww[j] + sa * b[j] + vv * kh[j];
+          row[j] = s;
+          acc += s * rr[j];
+        }
+        y[off + vi] = acc;
+      }
+    }
+  });
+}
+
+at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArrayRef qtypes,
+                      const at::Tensor& norm_f, const at::Tensor& head, int64_t head_qtype, double eps,
+                      int64_t n_head, const at::Tensor& emb_norm, const at::Tensor& emb_norm_b,
+                      const at::Tensor& norm_f_b) {
+  TORCH_CHECK_VALUE(layers.size() % kLayerTensors == 0 && qtypes.size() * kLayerTensors == kQtypes * layers.size(),
+                    kOp, ": 30 tensors and 6 qtypes a layer, got ", layers.size(), " and ", qtypes.size());
+  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1, kOp,
+                    ": x must be float32 [M, C], got ", x_in.sizes());
+  const int64_t M = x_in.size(0), C = x_in.size(1);
+  TORCH_CHECK_VALUE(n_head > 0 && C % n_head == 0 && C / n_head <= 256, kOp, ": ", n_head,
+                    " heads do not split ", C, " channels into heads of at most 256");
+  const int64_t H = n_head, N = C / H;
+  const int64_t n_layer = static_cast<int64_t>(layers.size()) / kLayerTensors;
+  for (int64_t il = 0; il < n_layer; ++il) {
+    check_layer(layers.data() + il * kLayerTensors, qtypes.data() + il * kQtypes, il == 0, M, C, H);
+  }
+  for (const at::Tensor* t : {&emb_norm, &emb_norm_b, &norm_f, &norm_f_b}) check_f32(kOp, *t, C, "a norm");
+  TORCH_CHECK_VALUE(head.dim() == 2, kOp, ": head must be a matrix, got ", head.sizes());
+  check_matrix(kOp, head, head_qtype, head.size(0), C, "head");
+
+  const float feps = static_cast<float>(eps);
+  const auto opts = x_in.options();
+  at::Tensor x = at::empty({M, C}, opts);
+  float* xp = x.data_ptr<float>();
+  layer_norm_rows(x_in.contiguous().data_ptr<float>(), emb_norm.data_ptr<float>(), emb_norm_b.data_ptr<float>(),
+                  xp, M, C, feps);
+  at::Tensor h = at::empty({M, C}, opts), mix = at::empty({6, M, C}, opts), v_first;
+  at::Tensor w = at::empty({M, C}, opts), a = at::empty({M, C}, opts), kk = at::empty({M, C}, opts);
+  at::Tensor y = at::empty({M, C}, opts);
+  float *hp = h.data_ptr<float>(), *mp = mix.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *ap = a.data_ptr<float>(), *kkp = kk.data_ptr<float>(), *yp = y.data_ptr<float>();
+  for (int64_t il = 0; il < n_layer; ++il) {
+    const at::Tensor* t = layers.data() + il * kLayerTensors;
+    const int64_t* q = qtypes.data() + il * kQtypes;
+    auto vec = [&](int i) { return t[i].data_ptr<float>(); };
+    float* shift = t[28].data_ptr<float>();
+    layer_norm_rows(xp, vec(0), vec(1), hp, M, C, feps);
+    const float* lerp = vec(4);
+    for (int64_t m = 0; m < M; ++m) {
+      const float *hm = hp + m * C, *prev = shift + m * 2 * C;
+      for (int i = 0; i < 6; ++i) {
+        float* out = mp + (i * M + m) * C;
+        for (int64_t j = 0; j < C; ++j) out[j] = hm[j] + (prev[j] - hm[j]) * lerp[i * C + j];
+      }
+    }
+    auto part = [&](int i) { return mix[i]; };  // [M, C]
+    at::Tensor r = product(part(0), t[19], q[0]);
+    at::Tensor k = product(part(2), t[20], q[1]);
+    at::Tensor v = product(part(3), t[21], q[2]);
+    const at::Tensor dw = lora(at::tanh(lora(part(1), t[6])), t[7]);
+    const at::Tensor da = lora(lora(part(4), t[9]), t[10]);
+    const at::Tensor g = lora(at::sigmoid(lora(part(5), t[14])), t[15]);
+    at::Tensor dv;
+    if (il > 0) dv = lora(lora(part(3), t[12]), t[13]);
+    float *rp = r.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+    const float *dwp = dw.data_ptr<float>(), *dap = da.data_ptr<float>();
+    const float *w0 = vec(5), *a0 = vec(8), *k_k = vec(16), *k_a = vec(17), *r_k = vec(18);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t j = 0; j < C; ++j) {
+        const int64_t e = m * C + j;
+        wp[e] = std::exp(-kDecayScale * sigmoid(w0[j] + dwp[e]));
+        ap[e] = sigmoid(a0[j] + dap[e]);
+      }
+    }
+    if (il == 0) {
+      v_first = v.clone();
+    } else {
+      const float *dvp = dv.data_ptr<float>(), *v0 = vec(11), *vf = v_first.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t j = 0; j < C; ++j) {
+          const int64_t e = m * C + j;
+          vp[e] += (vf[e] - vp[e]) * sigmoid(v0[j] + dvp[e]);
+        }
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t hh = 0; hh < H; ++hh) {
+        const int64_t off = m * C + hh * N;
+        float ss = 0.f;
+        for (int64_t j = 0; j < N; ++j) {
+          kkp[off + j] = kp[off + j] * k_k[hh * N + j];
+          ss += kkp[off + j] * kkp[off + j];
+        }
+        const float inv = 1.f / std::max(std::sqrt(ss), 1e-12f);
+        for (int64_t j = 0; j < N; ++j) kkp[off + j] *= inv;
+        for (int64_t j = 0; j < N; ++j) kp[off + j] *= 1.f + (ap[off + j] - 1.f) * k_a[hh * N + j];
+      }
+    }
+    wkv7(t[29].data_ptr<float>(), rp, wp, kp, vp, kkp, ap, yp, M, H, N);
+    const float *ln_w = vec(23), *ln_b = vec(24), *gp = g.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t hh = 0; hh < H; ++hh) {
+        const int64_t off = m * C + hh * N;
+        float* yh = yp + off;
+        float mean = 0.f, var = 0.f, bonus = 0.f;
+        for (int64_t j = 0; j < N; ++j) mean += yh[j];
+        mean /= static_cast<float>(N);
+        for (int64_t j = 0; j < N; ++j) var += (yh[j] - mean) * (yh[j] - mean);
+        const float inv = 1.f / std::sqrt(var / static_cast<float>(N) + kGroupNormEps);
+        for (int64_t j = 0; j < N; ++j) bonus += rp[off + j] * kp[off + j] * r_k[hh * N + j];
+        for (int64_t j = 0; j < N; ++j) {
+          const int64_t c = hh * N + j;
+          yh[j] = ((yh[j] - mean) * inv * ln_w[c] + ln_b[c] + bonus * vp[off + j]) * gp[off + j];
+        }
+      }
+    }
+    step::add_product(xp, y, t[22], q[3]);
+    // the channel mix; the shift rows take this token's normed inputs
+    at::Tensor f = at::empty({M, C}, opts), fk = at::empty({M, C}, opts);
+    float *fp = f.data_ptr<float>(), *fkp = fk.data_ptr<float>();
+    layer_norm_rows(xp, vec(2), vec(3), fp, M, C, feps);
+    const float* lerp_k = vec(25);
+    for (int64_t m = 0; m < M; ++m) {
+      float* prev = shift + m * 2 * C;
+      for (int64_t j = 0; j < C; ++j) {
+        const int64_t e = m * C + j;
+        fkp[e] = fp[e] + (prev[C + j] - fp[e]) * lerp_k[j];
+        prev[j] = hp[e];
+        prev[C + j] = fp[e];
+      }
+    }
+    at::Tensor kf = product(fk, t[26], q[4]);
+    float* kfp = kf.data_ptr<float>();
+    for (int64_t e = 0; e < kf.numel(); ++e) kfp[e] = kfp[e] > 0.f ? kfp[e] * kfp[e] : 0.f;
+    step::add_product(xp, kf, t[27], q[5]);
+  }
+  layer_norm_rows(xp, norm_f.data_ptr<float>(), norm_f_b.data_ptr<float>(), hp, M, C, feps);
+  return product(h, head, head_qtype);
+}
+
+}  // namespace
+}  // namespace rsmem
+
+TORCH_LIBRARY_FRAGMENT(RSMEM_OPS_NS, m) {
+  m.def(
+      "rwkv7_step(Tensor x, Tensor[] layers, int[] qtypes, Tensor norm_f, Tensor head, int head_qtype, "
+      "float eps, int n_head, Tensor emb_norm, Tensor emb_norm_b, Tensor norm_f_b) -> Tensor",
+      &rsmem::rwkv7_step);
+}

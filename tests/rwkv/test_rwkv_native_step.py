@@ -1,0 +1,178 @@
+"""RWKV-7's and RWKV-6's one-token decode steps in C++ (kernels/csrc/rwkv7_step.cpp, rwkv6_step.cpp through
+models/ops/native_step.py): the model's decode of one and several sequences through the op against the
+eager model (logits and state rows), RWKV-6 with its residual halved every layer; the op against the
+compiled step's function row by row; bad operands rejected before any state is written; the first call's
+check and its fallback."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from test_rwkv_gguf import rwkv6_gguf
+
+import rsmem
+from rsmem import Batch, Context
+from rsmem.kernels.build import native_ops
+from rsmem.models.compiled import has_cxx_compiler
+from rsmem.models.ops.native_step import NativeStep
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv"
+needs_cxx = pytest.mark.skipif(not has_cxx_compiler(), reason="the kernels need a C++ compiler")
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    calls: list[tuple[str, int]] = []
+    original = NativeStep.__call__
+
+    def counted(self, x, *args):  # type: ignore[no-untyped-def]
+        calls.append((self.op, x.shape[0]))
+        return original(self, x, *args)
+
+    monkeypatch.setattr(NativeStep, "__call__", counted)
+    return calls
+
+
+def _decode(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Three prompts of different lengths, one sequence alone, then three and two together (some rows
+    without logits); each step's logits and every sequence's state rows after."""
+    ctx = Context(model, n_seq_max=3)
+    prompts = [[(7 * i + s) % 290 + 1 for i in range(5 + 4 * s)] for s in range(3)]
+    ctx.decode(
+        Batch([t for p in prompts for t in p], seq_ids=[[s] for s, p in enumerate(prompts) for _ in p])
+    )
+    out = []
+    for k in range(3):
+        ctx.decode(Batch([11 + k], seq_ids=[[1]]))
+        out.append(ctx.logits.clone())
+    for k, width in enumerate((3, 2, 3)):
+        toks = [(13 * s + 5 * k) % 290 + 1 for s in range(width)]
+        ctx.decode(Batch(toks, seq_ids=[[s] for s in range(width)], logits=[s != 1 for s in range(width)]))
+        out.append(ctx.logits.clone())
+    rows = [torch.frombuffer(bytearray(ctx.state_seq_get_data(s)), dtype=torch.uint8) for s in range(3)]
+    return out, rows
+
+
+def _state_floats(blob: torch.Tensor, n_layer: int, n_embd: int, head_size: int) -> list[torch.Tensor]:
+    """The float32 rows of a one-sequence state blob (r rows of every layer, then s rows)."""
+    rows, offset = [], 28
+    data = bytes(blob.tolist())
+    for row_bytes in [2 * n_embd * 4] * n_layer + [n_embd * head_size * 4] * n_layer:
+        rows.append(
+            torch.frombuffer(bytearray(data[offset + 12 : offset + 12 + row_bytes]), dtype=torch.float32)
+        )
+        offset += 12 + row_bytes
+    assert offset == len(data)
+    return rows
+
+
+def _paths(tmp_path: Path) -> dict[str, Path]:
+    return {
+        "rwkv7": FIXTURES / "rwkv7" / "model-f32.gguf",
+        "rwkv6": FIXTURES / "rwkv6" / "model-f32.gguf",
+        "rwkv6-rescaled": rwkv6_gguf(tmp_path, 1),
+    }
+
+
+@needs_cxx
+@pytest.mark.parametrize("which", ["rwkv7", "rwkv6", "rwkv6-rescaled"])
+def test_native_decode_matches_eager(which: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _paths(tmp_path)[which]
+    eager = rsmem.load_model(path, compile=False)
+    want, want_states = _decode(eager)
+    native_ops()
+    model = rsmem.load_model(path, compile=True)
+    calls = _counting(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed check would fall back silently
+        got, got_states = _decode(model)
+    op = f"{model.arch}_step"
+    assert model._native is not None and model._native.failed is None
+    assert calls == [(op, w) for w in (1, 1, 1, 3, 2, 3)]
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    cfg = model.config
+    for a, b in zip(got_states, want_states, strict=True):
+        for ra, rb in zip(
+            _state_floats(a, cfg.n_layer, cfg.d_model, cfg.head_size),
+            _state_floats(b, cfg.n_layer, cfg.d_model, cfg.head_size),
+            strict=True,
+        ):
+            assert rb.abs().max() > 0
+            torch.testing.assert_close(ra, rb, rtol=0, atol=1e-5)
+
+
+def _step_operands(arch: str):
+    """The model, and the op's arguments for one token of each of three sequences (copies of states)."""
+    native_ops()
+    model = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=True)
+    native = model._native
+    assert native is not None
+    cfg = model.config
+    gen = torch.Generator().manual_seed(3)
+    n = 3
+    flat = []
+    for fields in model._fields_one:
+        shift = torch.randn(n, 2, cfg.d_model, generator=gen)
+        wkv = torch.randn(n, cfg.n_head, cfg.head_size, cfg.head_size, generator=gen) * 0.3
+        flat += [*fields, shift, wkv]
+    x = model.embedding[torch.tensor([3, 50, 200])]
+    return model, native, x, flat
+
+
+@needs_cxx
+@pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
+def test_op_rows_match_the_twin(arch: str) -> None:
+    """Three rows through the op at once against the compiled step's function, one row at a time."""
+    model, native, x, flat = _step_operands(arch)
+    n_fields = native.n_fields
+    mine = [t.clone() if i % n_fields >= n_fields - 2 else t for i, t in enumerate(flat)]
+    got = native(x, model.norm_f, model._head_one, model.config.eps, *mine)
+    for row in range(3):
+        theirs = [t[row : row + 1].clone() if i % n_fields >= n_fields - 2 else t for i, t in enumerate(flat)]
+        want = native.twin(x[row : row + 1], model.norm_f, model._head_one, model.config.eps, *theirs)
+        torch.testing.assert_close(got[row : row + 1], want, rtol=1e-5, atol=1e-5)
+        for i in range(0, len(flat), n_fields):
+            for k in (n_fields - 2, n_fields - 1):
+                torch.testing.assert_close(mine[i + k][row : row + 1], theirs[i + k], rtol=1e-5, atol=1e-5)
+
+
+@needs_cxx
+@pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
+def test_bad_operands_are_errors_before_any_write(arch: str) -> None:
+    model, native, x, flat = _step_operands(arch)
+    n = native.n_fields
+    before = [t.clone() if isinstance(t, torch.Tensor) else t for t in flat]
+    short_shift = list(flat)
+    short_shift[-n - 2] = flat[-n - 2][:, :1]  # the last but one layer's shift rows cut
+    short_state = list(flat)
+    short_state[-1] = flat[-1][:2]  # the last layer's WKV state for two rows of three
+    for bad, what in ((short_shift, "shift"), (short_state, "wkv")):
+        with pytest.raises(ValueError, match=what):
+            native(x, model.norm_f, model._head_one, model.config.eps, *bad)
+    with pytest.raises(ValueError, match="x must be"):
+        native(x.double(), model.norm_f, model._head_one, model.config.eps, *flat)
+    for a, b in zip(flat, before, strict=True):
+        assert a is b or torch.equal(a, b)
+
+
+@needs_cxx
+@pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
+def test_check_catches_a_differing_op(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op given a wrong constant (the layer norms' eps) passes its own checks but not the comparison: a
+    warning, and the compiled step from then on, its logits right."""
+    path = FIXTURES / arch / "model-f32.gguf"
+    want, _ = _decode(rsmem.load_model(path, compile=False))
+    native_ops()
+    model = rsmem.load_model(path, compile=True)
+    assert model._native is not None
+    model._native.consts = (0.5, *model._native.consts[1:])
+    calls = _counting(monkeypatch)
+    with pytest.warns(RuntimeWarning, match=f"{arch}_step is not used: its .* differ"):
+        got, _ = _decode(model)
+    assert calls == [] and model._native.failed is not None
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
