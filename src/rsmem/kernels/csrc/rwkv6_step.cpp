@@ -134,7 +134,7 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         bp[e] = hp[e] + (shift[m * 2 * C + j] - hp[e]) * lerp_x[j];
       }
     }
-    const at::Tensor mixer = at::tanh(lora(base, t[6]));  // [M, 5 E]
+    const at::Tensor mixer = step::map_(lora(base, t[6]), step::tanh_);  // [M, 5 E]
     const int64_t E = t[6].size(0) / 5;
     const float *mx = mixer.data_ptr<float>(), *w2 = vec(7);
     for (int i = 0; i < 5; ++i) {
@@ -156,7 +156,7 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     const at::Tensor k = product(part(1), t[13], q[1]);
     const at::Tensor v = product(part(2), t[14], q[2]);
     at::Tensor g = product(part(4), t[15], q[3]);
-    const at::Tensor dw = lora(at::tanh(lora(part(0), t[9])), t[10]);
+    const at::Tensor dw = lora(step::map_(lora(part(0), t[9]), step::tanh_), t[10]);
     const float *dwp = dw.data_ptr<float>(), *decay = vec(8);
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t j = 0; j < C; ++j) wp[m * C + j] = std::exp(-std::exp(decay[j] + dwp[m * C + j]));

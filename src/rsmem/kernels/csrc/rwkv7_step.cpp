@@ -157,9 +157,9 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     at::Tensor r = product(part(0), t[19], q[0]);
     at::Tensor k = product(part(2), t[20], q[1]);
     at::Tensor v = product(part(3), t[21], q[2]);
-    const at::Tensor dw = lora(at::tanh(lora(part(1), t[6])), t[7]);
+    const at::Tensor dw = lora(step::map_(lora(part(1), t[6]), step::tanh_), t[7]);
     const at::Tensor da = lora(lora(part(4), t[9]), t[10]);
-    const at::Tensor g = lora(at::sigmoid(lora(part(5), t[14])), t[15]);
+    const at::Tensor g = lora(step::map_(lora(part(5), t[14]), sigmoid), t[15]);
     at::Tensor dv;
     if (il > 0) dv = lora(lora(part(3), t[12]), t[13]);
     float *rp = r.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
