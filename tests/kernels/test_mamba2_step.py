@@ -69,7 +69,7 @@ def _model(seed: int = 5):
     return random_mamba2(cfg, seed=seed)
 
 
-@pytest.mark.parametrize("n_seqs", [1, 4])
+@pytest.mark.parametrize("n_seqs", [1, 4, 20])  # 20: the float32 matrices as their oneDNN packed twins
 def test_model_decode_matches_the_layer_by_layer_forward(
     ops, monkeypatch: pytest.MonkeyPatch, n_seqs: int
 ) -> None:

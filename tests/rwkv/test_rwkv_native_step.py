@@ -17,7 +17,7 @@ import rsmem
 from rsmem import Batch, Context
 from rsmem.kernels.build import native_ops
 from rsmem.models.compiled import has_cxx_compiler
-from rsmem.models.ops.native_step import NativeStep
+from rsmem.models.ops.native_step import PACKED_FROM_ROWS, NativeStep
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv"
 needs_cxx = pytest.mark.skipif(not has_cxx_compiler(), reason="the kernels need a C++ compiler")
@@ -105,33 +105,34 @@ def test_native_decode_matches_eager(which: str, tmp_path: Path, monkeypatch: py
             torch.testing.assert_close(ra, rb, rtol=0, atol=1e-5 * float(rb.abs().max()))
 
 
-def _step_operands(arch: str):
-    """The model, and the op's arguments for one token of each of three sequences (copies of states)."""
+def _step_operands(arch: str, n: int = 3):
+    """The model, and the op's arguments for one token of each of ``n`` sequences (copies of states)."""
     native_ops()
     model = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=True)
     native = model._native
     assert native is not None
     cfg = model.config
     gen = torch.Generator().manual_seed(3)
-    n = 3
     flat = []
     for fields in model._fields_one:
         shift = torch.randn(n, 2, cfg.d_model, generator=gen)
         wkv = torch.randn(n, cfg.n_head, cfg.head_size, cfg.head_size, generator=gen) * 0.3
         flat += [*fields, shift, wkv]
-    x = model.embedding[torch.tensor([3, 50, 200])]
+    x = model.embedding[(torch.arange(n) * 47 + 3) % model.embedding.shape[0]]
     return model, native, x, flat
 
 
 @needs_cxx
 @pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
-def test_op_rows_match_the_twin(arch: str) -> None:
-    """Three rows through the op at once against the compiled step's function, one row at a time."""
-    model, native, x, flat = _step_operands(arch)
+@pytest.mark.parametrize("n", [3, PACKED_FROM_ROWS + 3])
+def test_op_rows_match_the_twin(arch: str, n: int) -> None:
+    """``n`` rows through the op at once against the compiled step's function, one row at a time (from
+    PACKED_FROM_ROWS rows the op takes the float32 matrices as their oneDNN packed twins)."""
+    model, native, x, flat = _step_operands(arch, n)
     n_fields = native.n_fields
     mine = [t.clone() if i % n_fields >= n_fields - 2 else t for i, t in enumerate(flat)]
     got = native(x, model.norm_f, model._head_one, model.config.eps, *mine)
-    for row in range(3):
+    for row in range(n):
         theirs = [t[row : row + 1].clone() if i % n_fields >= n_fields - 2 else t for i, t in enumerate(flat)]
         want = native.twin(x[row : row + 1], model.norm_f, model._head_one, model.config.eps, *theirs)
         torch.testing.assert_close(got[row : row + 1], want, rtol=1e-5, atol=1e-5)

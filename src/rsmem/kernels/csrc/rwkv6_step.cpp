@@ -126,19 +126,19 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     const int64_t* q = qtypes.data() + il * kQtypes;
     auto vec = [&](int i) { return t[i].data_ptr<float>(); };
     float* shift = t[24].data_ptr<float>();
-    layer_norm_rows(xp, vec(0), vec(1), hp, M, C, feps);
     const float *lerp_x = vec(4), *lerp = vec(5);
-    for (int64_t m = 0; m < M; ++m) {
+    step::each_row(M, 3 * C, [&](int64_t m) {
+      step::layer_norm_row(xp + m * C, vec(0), vec(1), hp + m * C, C, feps);
       for (int64_t j = 0; j < C; ++j) {
         const int64_t e = m * C + j;
         bp[e] = hp[e] + (shift[m * 2 * C + j] - hp[e]) * lerp_x[j];
       }
-    }
+    });
     const at::Tensor mixer = step::map_(lora(base, t[6]), step::tanh_);  // [M, 5 E]
     const int64_t E = t[6].size(0) / 5;
     const float *mx = mixer.data_ptr<float>(), *w2 = vec(7);
-    for (int i = 0; i < 5; ++i) {
-      for (int64_t m = 0; m < M; ++m) {
+    step::each_row(M, 5 * C * E, [&](int64_t m) {
+      for (int i = 0; i < 5; ++i) {
         const float* me = mx + m * 5 * E + i * E;
         float* out = mp + (i * M + m) * C;
         for (int64_t j = 0; j < C; ++j) {
@@ -150,7 +150,7 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
           out[j] = hp[at] + (shift[m * 2 * C + j] - hp[at]) * (off + lerp[i * C + j]);
         }
       }
-    }
+    });
     auto part = [&](int i) { return mix[i]; };  // w, k, v, r, g: [M, C]
     const at::Tensor r = product(part(3), t[12], q[0]);
     const at::Tensor k = product(part(1), t[13], q[1]);
@@ -158,14 +158,14 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     at::Tensor g = product(part(4), t[15], q[3]);
     const at::Tensor dw = lora(step::map_(lora(part(0), t[9]), step::tanh_), t[10]);
     const float *dwp = dw.data_ptr<float>(), *decay = vec(8);
-    for (int64_t m = 0; m < M; ++m) {
+    step::each_row(M, 8 * C, [&](int64_t m) {
       for (int64_t j = 0; j < C; ++j) wp[m * C + j] = std::exp(-std::exp(decay[j] + dwp[m * C + j]));
-    }
+    });
     wkv6(t[25].data_ptr<float>(), r.data_ptr<float>(), wp, k.data_ptr<float>(), v.data_ptr<float>(), vec(11), yp,
          M, H, N);
     const float *ln_w = vec(17), *ln_b = vec(18);
     float* gp = g.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) {
+    step::each_row(M, 4 * C, [&](int64_t m) {
       for (int64_t hh = 0; hh < H; ++hh) {
         float* yh = yp + m * C + hh * N;
         float mean = 0.f, var = 0.f;
@@ -178,13 +178,13 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
           yh[j] = ((yh[j] - mean) * inv * ln_w[c] + ln_b[c]) * silu(gp[m * C + c]);
         }
       }
-    }
+    });
     step::add_product(xp, y, t[16], q[4]);
     // the channel mix; the shift rows take this token's normed inputs
-    layer_norm_rows(xp, vec(2), vec(3), fp, M, C, feps);
     const float *lerp_k = vec(19), *lerp_r = vec(20);
-    for (int64_t m = 0; m < M; ++m) {
+    step::each_row(M, 4 * C, [&](int64_t m) {
       float* prev = shift + m * 2 * C;
+      step::layer_norm_row(xp + m * C, vec(2), vec(3), fp + m * C, C, feps);
       for (int64_t j = 0; j < C; ++j) {
         const int64_t e = m * C + j;
         const float sx = prev[C + j] - fp[e];
@@ -193,18 +193,23 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         prev[j] = hp[e];
         prev[C + j] = fp[e];
       }
-    }
+    });
     const at::Tensor rf = product(fr, t[23], q[7]);
     at::Tensor kf = product(fk, t[21], q[5]);
     float* kfp = kf.data_ptr<float>();
-    for (int64_t e = 0; e < kf.numel(); ++e) kfp[e] = kfp[e] > 0.f ? kfp[e] * kfp[e] : 0.f;
+    const int64_t F = kf.size(1);
+    step::each_row(M, F, [&](int64_t m) {
+      for (int64_t e = m * F; e < (m + 1) * F; ++e) kfp[e] = kfp[e] > 0.f ? kfp[e] * kfp[e] : 0.f;
+    });
     const at::Tensor out = product(kf, t[22], q[6]);
     const float *op = out.data_ptr<float>(), *rfp = rf.data_ptr<float>();
     const bool halve = rescale_every > 0 && (il + 1) % rescale_every == 0;
-    for (int64_t e = 0; e < M * C; ++e) {
-      xp[e] += sigmoid(rfp[e]) * op[e];
-      if (halve) xp[e] *= 0.5f;
-    }
+    step::each_row(M, 8 * C, [&](int64_t m) {
+      for (int64_t e = m * C; e < (m + 1) * C; ++e) {
+        xp[e] += sigmoid(rfp[e]) * op[e];
+        if (halve) xp[e] *= 0.5f;
+      }
+    });
   }
   layer_norm_rows(xp, norm_f.data_ptr<float>(), norm_f_b.data_ptr<float>(), hp, M, C, feps);
   return product(h, head, head_qtype);

@@ -144,15 +144,16 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     const int64_t* q = qtypes.data() + il * kQtypes;
     auto vec = [&](int i) { return t[i].data_ptr<float>(); };
     float* shift = t[28].data_ptr<float>();
-    layer_norm_rows(xp, vec(0), vec(1), hp, M, C, feps);
     const float* lerp = vec(4);
-    for (int64_t m = 0; m < M; ++m) {
-      const float *hm = hp + m * C, *prev = shift + m * 2 * C;
+    step::each_row(M, 8 * C, [&](int64_t m) {
+      float* hm = hp + m * C;
+      const float* prev = shift + m * 2 * C;
+      step::layer_norm_row(xp + m * C, vec(0), vec(1), hm, C, feps);
       for (int i = 0; i < 6; ++i) {
         float* out = mp + (i * M + m) * C;
         for (int64_t j = 0; j < C; ++j) out[j] = hm[j] + (prev[j] - hm[j]) * lerp[i * C + j];
       }
-    }
+    });
     auto part = [&](int i) { return mix[i]; };  // [M, C]
     at::Tensor r = product(part(0), t[19], q[0]);
     at::Tensor k = product(part(2), t[20], q[1]);
@@ -165,25 +166,16 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     float *rp = r.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
     const float *dwp = dw.data_ptr<float>(), *dap = da.data_ptr<float>();
     const float *w0 = vec(5), *a0 = vec(8), *k_k = vec(16), *k_a = vec(17), *r_k = vec(18);
-    for (int64_t m = 0; m < M; ++m) {
+    if (il == 0) v_first = v.clone();
+    const float *dvp = il > 0 ? dv.data_ptr<float>() : nullptr, *v0 = vec(11), *vf = v_first.data_ptr<float>();
+    // per row: the decay, the in-context rate, the value residual, kk and the key's update
+    step::each_row(M, 6 * C, [&](int64_t m) {
       for (int64_t j = 0; j < C; ++j) {
         const int64_t e = m * C + j;
         wp[e] = std::exp(-kDecayScale * sigmoid(w0[j] + dwp[e]));
         ap[e] = sigmoid(a0[j] + dap[e]);
+        if (dvp != nullptr) vp[e] += (vf[e] - vp[e]) * sigmoid(v0[j] + dvp[e]);
       }
-    }
-    if (il == 0) {
-      v_first = v.clone();
-    } else {
-      const float *dvp = dv.data_ptr<float>(), *v0 = vec(11), *vf = v_first.data_ptr<float>();
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t j = 0; j < C; ++j) {
-          const int64_t e = m * C + j;
-          vp[e] += (vf[e] - vp[e]) * sigmoid(v0[j] + dvp[e]);
-        }
-      }
-    }
-    for (int64_t m = 0; m < M; ++m) {
       for (int64_t hh = 0; hh < H; ++hh) {
         const int64_t off = m * C + hh * N;
         float ss = 0.f;
@@ -195,10 +187,10 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         for (int64_t j = 0; j < N; ++j) kkp[off + j] *= inv;
         for (int64_t j = 0; j < N; ++j) kp[off + j] *= 1.f + (ap[off + j] - 1.f) * k_a[hh * N + j];
       }
-    }
+    });
     wkv7(t[29].data_ptr<float>(), rp, wp, kp, vp, kkp, ap, yp, M, H, N);
     const float *ln_w = vec(23), *ln_b = vec(24), *gp = g.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) {
+    step::each_row(M, 4 * C, [&](int64_t m) {
       for (int64_t hh = 0; hh < H; ++hh) {
         const int64_t off = m * C + hh * N;
         float* yh = yp + off;
@@ -213,25 +205,28 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
           yh[j] = ((yh[j] - mean) * inv * ln_w[c] + ln_b[c] + bonus * vp[off + j]) * gp[off + j];
         }
       }
-    }
+    });
     step::add_product(xp, y, t[22], q[3]);
     // the channel mix; the shift rows take this token's normed inputs
     at::Tensor f = at::empty({M, C}, opts), fk = at::empty({M, C}, opts);
     float *fp = f.data_ptr<float>(), *fkp = fk.data_ptr<float>();
-    layer_norm_rows(xp, vec(2), vec(3), fp, M, C, feps);
     const float* lerp_k = vec(25);
-    for (int64_t m = 0; m < M; ++m) {
+    step::each_row(M, 4 * C, [&](int64_t m) {
       float* prev = shift + m * 2 * C;
+      step::layer_norm_row(xp + m * C, vec(2), vec(3), fp + m * C, C, feps);
       for (int64_t j = 0; j < C; ++j) {
         const int64_t e = m * C + j;
         fkp[e] = fp[e] + (prev[C + j] - fp[e]) * lerp_k[j];
         prev[j] = hp[e];
         prev[C + j] = fp[e];
       }
-    }
+    });
     at::Tensor kf = product(fk, t[26], q[4]);
     float* kfp = kf.data_ptr<float>();
-    for (int64_t e = 0; e < kf.numel(); ++e) kfp[e] = kfp[e] > 0.f ? kfp[e] * kfp[e] : 0.f;
+    const int64_t F = kf.size(1);
+    step::each_row(M, F, [&](int64_t m) {
+      for (int64_t e = m * F; e < (m + 1) * F; ++e) kfp[e] = kfp[e] > 0.f ? kfp[e] * kfp[e] : 0.f;
+    });
     step::add_product(xp, kf, t[27], q[5]);
   }
   layer_norm_rows(xp, norm_f.data_ptr<float>(), norm_f_b.data_ptr<float>(), hp, M, C, feps);

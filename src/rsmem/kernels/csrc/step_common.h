@@ -7,9 +7,14 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
 
+#include "pool.h"
 #include "rows_kernel.h"
 #include "vec_math.h"
 
@@ -44,17 +49,28 @@ inline void check_f32(const char* op, const at::Tensor& t, int64_t numel, const 
                     t.scalar_type(), " ", t.sizes());
 }
 
-// a matrix of N rows of K values: float32 [N, K] with contiguous rows (qtype -1), else N rows of uint8 blocks
-// (their row length is rsmem_native::qmatmul's check)
+// qtype of a float32 [out, in] matrix given as its oneDNN packed twin (torch.ops.mkldnn._reorder_linear_weight):
+// the products of many rows (several sequences' decode) run through oneDNN's blocked product on it, which
+// at 64 rows beat at::mm on the plain matrix by 1.2-1.3x here (at::mm repacked the weights on every call)
+constexpr int64_t kPackedF32 = -2;
+
+// a matrix of N rows of K values: float32 [N, K] with contiguous rows (qtype -1), its oneDNN packed twin
+// (kPackedF32), else N rows of uint8 blocks (their row length is rsmem_native::qmatmul's check)
 inline void check_matrix(const char* op, const at::Tensor& w, int64_t qtype, int64_t N, int64_t K,
                          const char* what) {
-  if (qtype < 0) {
-    TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat && w.device().is_cpu() && w.dim() == 2 && w.size(0) == N &&
-                          w.size(1) == K && (w.stride(1) == 1 || K <= 1),
-                      op, ": ", what, " must be float32 [", N, ", ", K, "] with contiguous rows, got ",
-                      w.scalar_type(), " ", w.sizes());
+  if (qtype == kPackedF32) {
+    TORCH_CHECK_VALUE(w.is_mkldnn() && w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(0) == N &&
+                          w.size(1) == K,
+                      op, ": ", what, " must be oneDNN's packed float32 [", N, ", ", K, "], got ", w.scalar_type(),
+                      " ", w.sizes(), w.is_mkldnn() ? " (packed)" : " (not packed)");
+  } else if (qtype < 0) {
+    TORCH_CHECK_VALUE(qtype == -1 && w.scalar_type() == at::kFloat && w.device().is_cpu() && !w.is_mkldnn() &&
+                          w.dim() == 2 && w.size(0) == N && w.size(1) == K && (w.stride(1) == 1 || K <= 1),
+                      op, ": ", what, " must be float32 [", N, ", ", K, "] with contiguous rows (qtype -1), got ",
+                      w.scalar_type(), " ", w.sizes(), " qtype ", qtype);
   } else {
-    TORCH_CHECK_VALUE(w.scalar_type() == at::kByte && w.device().is_cpu() && w.dim() == 2 && w.size(0) == N,
+    TORCH_CHECK_VALUE(w.scalar_type() == at::kByte && w.device().is_cpu() && !w.is_mkldnn() && w.dim() == 2 &&
+                          w.size(0) == N,
                       op, ": ", what, " must be ", N, " rows of uint8 blocks, got ", w.scalar_type(), " ",
                       w.sizes());
   }
@@ -99,6 +115,14 @@ constexpr int64_t kFewRowsMax = 16;
 
 // x [M, K] (contiguous) @ W^T for a checked matrix (check_matrix)
 inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
+  if (qtype == kPackedF32) {
+    static const c10::OperatorHandle linear =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    std::vector<c10::IValue> stack{x.contiguous(), w, c10::IValue(), std::string("none"),
+                                   c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+    linear.callBoxed(stack);
+    return stack[0].toTensor();
+  }
   if (qtype < 0 && x.size(0) > kFewRowsMax) return at::mm(x, w.t());
   if (qtype < 0) {
     const int64_t M = x.size(0), N = w.size(0), Kd = x.size(1);
@@ -144,6 +168,20 @@ inline at::Tensor map_(at::Tensor t, F f) {
 }
 
 inline float tanh_(float v) { return std::tanh(v); }
+
+// Values of per-row work (norms, lerps, activations) from which a step shares its rows between rsmem's
+// workers: below it (one sequence, a few) the hand-off costs more than the work.
+constexpr int64_t kRowWorkGrain = 16384;
+
+// f(m) for every row m of M rows of `width` values, the rows shared between rsmem's workers (pool.h) when
+// there are enough of them; f must touch only its own row's outputs
+template <class F>
+inline void each_row(int64_t M, int64_t width, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, kRowWorkGrain / std::max<int64_t>(1, width));
+  pool::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) f(m);
+  });
+}
 
 }  // namespace step
 }  // namespace rsmem

@@ -43,24 +43,33 @@ QUANTIZED_CHECK_TOLERANCE = 1e-2
 # step: Mamba-2 130M f32 1.28 at 64 sequences, 1.35 at 128, Q4_K_M 1.46 at 64; Mamba f32 1.01 at 64 and
 # 0.99 at 128 (its compiled mixer was already cheap; Mamba-2's is most of a wide step).
 MAX_ROWS = 128
-# qtypes whose products keep float32 activations: float32 rows (-1), F16, BF16
-FLOAT_QTYPES = (-1, int(gguf.GGMLQuantizationType.F16), int(gguf.GGMLQuantizationType.BF16))
+# qtype of a float32 matrix given as its oneDNN packed twin (csrc/step_common.h's kPackedF32)
+PACKED_F32 = -2
+# qtypes whose products keep float32 activations: float32 rows (-1), packed float32, F16, BF16
+FLOAT_QTYPES = (-1, PACKED_F32, int(gguf.GGMLQuantizationType.F16), int(gguf.GGMLQuantizationType.BF16))
+# Rows from which a step takes float32 matrices as their oneDNN packed twins: up to 16 the few-row kernel
+# streams the plain rows faster (models/ops/small_rows.py); beyond, at::mm on the plain matrix repacked the
+# weights on every call (64 rows, 2 threads: oneDNN's packed product 1.2-1.3x faster on the 130M shapes).
+PACKED_FROM_ROWS = 17
 
 
-def native_matrix(matrix: Any) -> tuple[torch.Tensor, int] | None:
+def native_matrix(matrix: Any, packed: bool = False) -> tuple[torch.Tensor, int] | None:
     """A one-sequence operand (:func:`~rsmem.models.ops.small_rows.one_operand`) as the op takes it:
-    ``(float32 [out, in] with contiguous rows, -1)`` or ``(blocks, qtype)``; None for any other."""
+    ``(float32 [out, in] with contiguous rows, -1)`` or ``(blocks, qtype)``; with ``packed``, a matrix with
+    a oneDNN twin as ``(twin, PACKED_F32)``; None for any other."""
     if isinstance(matrix, QuantMatrix):
         return matrix.blocks, matrix.qtype
+    if packed and isinstance(matrix, SmallRows):
+        return matrix.packed, PACKED_F32
     w = matrix.plain if isinstance(matrix, SmallRows) else matrix
     if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 and w.stride(1) == 1:
         return w, -1
     return None
 
 
-def _taken(matrix: Any) -> tuple[torch.Tensor, int]:
+def _taken(matrix: Any, packed: bool = False) -> tuple[torch.Tensor, int]:
     """:func:`native_matrix` of a matrix the op must take (:meth:`NativeStep.accepts` said so)."""
-    found = native_matrix(matrix)
+    found = native_matrix(matrix, packed)
     if found is None:
         raise ValueError(f"the C++ step takes no {type(matrix).__name__} of this layout as a matrix")
     return found
@@ -109,7 +118,8 @@ class NativeStep:
         self.span = span
         self.failed: BaseException | str | None = None
         self._checked = False
-        self._cache: tuple[tuple[int, ...], list[torch.Tensor], list[int], torch.Tensor, int] | None = None
+        # (packed, ids of the weights) -> the op's weight operands, one entry for each form
+        self._cache: dict[bool, tuple[tuple[int, ...], list[torch.Tensor], list[int], torch.Tensor, int]] = {}
 
     def ops(self) -> Any:
         """The kernels when they are loaded in this process (never built for this: the compiled step and
@@ -135,29 +145,31 @@ class NativeStep:
         return True
 
     def _build(
-        self, head: Any, flat: Sequence[Any]
+        self, head: Any, flat: Sequence[Any], packed: bool = False
     ) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int]:
-        """The op's layer tensors (matrices as :func:`native_matrix` gives them) and qtypes."""
+        """The op's layer tensors (matrices as :func:`native_matrix` gives them, ``packed`` or not) and
+        qtypes."""
         tensors, qtypes = [], []
         for i, t in enumerate(flat):
             if i % self.n_fields in self.matrices:
-                w, q = _taken(t)
+                w, q = _taken(t, packed)
                 tensors.append(w)
                 qtypes.append(q)
             else:
                 tensors.append(t)
-        head_w, head_q = _taken(head)
+        head_w, head_q = _taken(head, packed)
         return tensors, qtypes, head_w, head_q
 
     def _operands(
-        self, head: Any, flat: Sequence[Any]
+        self, head: Any, flat: Sequence[Any], packed: bool
     ) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int]:
         """:meth:`_build`, the weights' part kept between calls (the model's matrices do not change), the
         states this call's."""
         key = tuple(id(t) for i, t in enumerate(flat) if i % self.n_fields < self.n_fields - 2)
-        if self._cache is None or self._cache[0] != key:
-            self._cache = (key, *self._build(head, flat))
-        _, tensors, qtypes, head_w, head_q = self._cache
+        cached = self._cache.get(packed)
+        if cached is None or cached[0] != key:
+            cached = self._cache[packed] = (key, *self._build(head, flat, packed))
+        _, tensors, qtypes, head_w, head_q = cached
         layers = list(tensors)
         for i in range(self.n_fields - 2, len(flat), self.n_fields):
             layers[i], layers[i + 1] = flat[i], flat[i + 1]
@@ -166,15 +178,16 @@ class NativeStep:
     def _run(
         self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, flat: Sequence[Any]
     ) -> torch.Tensor:
-        layers, qtypes, head_w, head_q = self._operands(head, flat)
+        layers, qtypes, head_w, head_q = self._operands(head, flat, x.shape[0] >= PACKED_FROM_ROWS)
         return getattr(self.ops(), self.op)(x, layers, qtypes, norm_f, head_w, head_q, *self.consts)
 
     def _compare(
-        self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, layers: list[Any]
+        self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, layers: list[Any], packed: bool
     ) -> str | None:
-        """Consecutive layers (then the final norm and the head) through the op and through the twin, on
-        copies of the first sequence's states: None, or what differs beyond the bound (the twin is the
-        one-sequence step's function; the op's rows are independent of each other)."""
+        """Consecutive layers (then the final norm and the head) through the op (its matrices ``packed`` or
+        not) and through the twin, on copies of the first sequence's states: None, or what differs beyond
+        the bound (the twin is the one-sequence step's function; the op's rows are independent of each
+        other)."""
         n = self.n_fields
         x = x[:1]
         mine, theirs = [], []
@@ -182,7 +195,7 @@ class NativeStep:
             state = i % n >= n - 2
             mine.append(t[:1].clone() if state else t)
             theirs.append(t[:1].clone() if state else t)
-        tensors, qtypes, head_w, head_q = self._build(head, mine)
+        tensors, qtypes, head_w, head_q = self._build(head, mine, packed)
         got = getattr(self.ops(), self.op)(x, tensors, qtypes, norm_f, head_w, head_q, *self.consts)
         want = self.twin(x, norm_f, head, eps, *theirs)
         quantized = any(q not in FLOAT_QTYPES for q in (*qtypes, head_q))
@@ -194,9 +207,10 @@ class NativeStep:
         what, worst = max(diffs, key=lambda item: item[1])
         if worst <= tol:
             return None
+        form = " (packed matrices)" if packed else ""
         return (
-            f"its {what} differ from the compiled step's function by {worst:.2e} of their largest magnitude "
-            f"(bound {tol:g})"
+            f"its {what}{form} differ from the compiled step's function by {worst:.2e} of their largest "
+            f"magnitude (bound {tol:g})"
         )
 
     def check(
@@ -215,9 +229,12 @@ class NativeStep:
                 layers = list(flat[i : i + n * span])
                 kind = tuple(_qtype(layers[j + m]) for j in range(0, len(layers), n) for m in self.matrices)
                 kinds.setdefault(kind, layers)
+            forms = [False]
+            if isinstance(head, SmallRows) or any(isinstance(t, SmallRows) for t in flat):
+                forms.append(True)  # many sequences take the packed twins: checked as well
             try:
-                for layer in kinds.values():
-                    self.failed = self._compare(x, norm_f, head, eps, layer)
+                for layer, packed in ((layer, packed) for layer in kinds.values() for packed in forms):
+                    self.failed = self._compare(x, norm_f, head, eps, layer, packed)
                     if self.failed is not None:
                         break
             except Exception as exc:  # a layout or build this op does not take: the compiled step instead
