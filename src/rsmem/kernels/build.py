@@ -43,6 +43,7 @@ SOURCES = (
     "hybrid_step.cpp",
     "rwkv7_step.cpp",
     "rwkv6_step.cpp",
+    "wkv_scan.cpp",
 )
 HEADERS = (
     "blocks.h",

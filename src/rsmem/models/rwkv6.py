@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompiledStep
 from rsmem.models.ops.native_step import NativeStep
-from rsmem.models.ops.wkv6 import wkv6_chunked_, wkv6_intra, wkv6_step_
+from rsmem.models.ops.wkv6 import wkv6_intra, wkv6_prefill_, wkv6_step_
 from rsmem.models.ops.wkv_fused import N6_PER_LAYER, RWKV6_FIELDS, rwkv6_token_one_
 from rsmem.models.ops.wkv_many import MANY_OPTIONS, rwkv6_token_many_
 from rsmem.models.protocol import StateAccess
@@ -204,7 +204,7 @@ class Rwkv6Model(RwkvModelBase):
         if n_tokens == 1:
             y = wkv6_step_(wkv, r[:, 0], log_w[:, 0].exp(), k[:, 0], v[:, 0], ly.first).unsqueeze(1)
         else:
-            y = wkv6_chunked_(wkv, r, log_w, k, v, ly.first, cfg.chunk_size, self.prefill_intra())
+            y = wkv6_prefill_(wkv, r, log_w, k, v, ly.first, cfg.chunk_size, self.prefill_intra())
         y = F.group_norm(y.reshape(-1, c), cfg.n_head, ly.ln_x, ly.ln_x_b, GROUP_NORM_EPS)
         return self.held.linear(y.view(n_seqs, n_tokens, c) * g, ly.output)
 

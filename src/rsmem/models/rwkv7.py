@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from rsmem.batch.batch import UBatch
 from rsmem.models.compiled import CompiledStep
 from rsmem.models.ops.native_step import NativeStep
-from rsmem.models.ops.wkv import wkv7_chunked_, wkv7_intra, wkv7_step_
+from rsmem.models.ops.wkv import wkv7_intra, wkv7_prefill_, wkv7_step_
 from rsmem.models.ops.wkv_fused import N_PER_LAYER, RWKV7_FIELDS, rwkv7_token_one_
 from rsmem.models.ops.wkv_many import MANY_OPTIONS, rwkv7_token_many_
 from rsmem.models.protocol import StateAccess
@@ -229,7 +229,7 @@ class Rwkv7Model(RwkvModelBase):
             y = wkv7_step_(wkv, rh[:, 0], log_w.view(heads)[:, 0].exp(), kh[:, 0], vh[:, 0], -kk[:, 0],
                            (kk * ah)[:, 0]).unsqueeze(1)  # fmt: skip
         else:
-            y = wkv7_chunked_(
+            y = wkv7_prefill_(
                 wkv, rh, log_w.view(heads), kh, vh, -kk, kk * ah, cfg.chunk_size, self.prefill_intra()
             )
         if ly.ln_x is not None:  # absent in some ARWKV-7 models: no norm

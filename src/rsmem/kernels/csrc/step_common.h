@@ -109,10 +109,6 @@ inline void layer_norm_rows(const float* x, const float* w, const float* b, floa
   for (int64_t m = 0; m < M; ++m) layer_norm_row(x + m * n, w, b, out + m * n, n, eps);
 }
 
-// Activation rows from which a float32 product goes to at::mm (BLAS) instead of the few-row kernel: at 16
-// rows the two are about even (models/ops/small_rows.py).
-constexpr int64_t kFewRowsMax = 16;
-
 // x [M, K] (contiguous) @ W^T for a checked matrix (check_matrix)
 inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
   if (qtype == kPackedF32) {
@@ -123,8 +119,7 @@ inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
     linear.callBoxed(stack);
     return stack[0].toTensor();
   }
-  if (qtype < 0 && x.size(0) > kFewRowsMax) return at::mm(x, w.t());
-  if (qtype < 0) {
+  if (qtype < 0) {  // the few-row kernel for any count: the caller gives the big matrices packed where it pays
     const int64_t M = x.size(0), N = w.size(0), Kd = x.size(1);
     at::Tensor y = at::empty({M, N}, x.options());
     rows::product<rows::F32W>(x.data_ptr<float>(), Kd, w.data_ptr<float>(), Kd <= 1 ? Kd : w.stride(0), M, N, Kd,

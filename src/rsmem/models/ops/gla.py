@@ -5,16 +5,17 @@ Per head, with the state ``S`` ``[K, V]`` (``[H, K, V]`` per sequence, as llama.
 token: ``S = diag(w) S + k v^T``, then ``y = scale * q^T S`` (the output reads the state *after* the
 token, unlike RWKV-6's). Inputs ``[Bs, L, H, N]``, states ``[Bs, H, N, N]`` updated in place.
 
-The chunked form is RWKV-6's kernel (:func:`~rsmem.models.ops.wkv6.wkv6_chunked_`, no bonus) on the tokens
-with ``q`` moved one place later: its output at ``t + 1`` is ``q_t`` times the state after token ``t``. One
-padding token at the end (no decay, ``k = v = 0``) gives the last output and leaves the state as it is.
+The chunked form is RWKV-6's prompt kernel (:func:`~rsmem.models.ops.wkv6.wkv6_prefill_`: its C++ scan
+or its chunked kernel; no bonus) on the tokens with ``q`` moved one place later: its output at ``t + 1`` is
+``q_t`` times the state after token ``t``. One padding token at the end (no decay, ``k = v = 0``) gives the
+last output and leaves the state as it is.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rsmem.models.ops.wkv6 import wkv6_chunked_
+from rsmem.models.ops.wkv6 import wkv6_prefill_
 
 
 def gla_step_(
@@ -55,7 +56,7 @@ def gla_chunked_(
     ``[Bs, L, H, N]``; updates ``state`` in place and returns ``y`` ``[Bs, L, H, N]``."""
     bs, _, h, n = q.shape
     pad = q.new_zeros(bs, 1, h, n)
-    y = wkv6_chunked_(
+    y = wkv6_prefill_(
         state,
         torch.cat([pad, q * scale], dim=1),
         torch.cat([log_w, pad], dim=1),

@@ -19,15 +19,22 @@ the term ``sa_t = S_{t-1} a_t`` of every token solves one unit lower-triangular 
 after which the outputs and the chunk's final state are products of ``[T, T]`` and ``[T, N]`` matrices, as in
 a gated linear attention. Decays between two tokens are factored through the chunk's middle, so their
 exponents stay within half a chunk's total decay (``T = 64``: ``e^{+-19.5}``, well inside float32).
+
+:func:`wkv7_prefill_` is what a model calls for a prompt: the C++ scan (``rsmem_native::wkv7_scan``,
+``kernels/csrc/wkv_scan.cpp``: token by token, each head's state in cache, the heads shared between
+threads; a 512-token prompt of 12 heads of 64, 2 threads: ~4 ms a layer against the chunked kernel's ~20)
+where the kernels are loaded, else the chunked kernel.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from rsmem.kernels.build import loaded_native_ops
 from rsmem.models.ops.wkv_lowrank import unit_lower_inverse_one_thread
 from rsmem.threads import one_thread_below
 
@@ -165,3 +172,33 @@ def wkv7_chunked_(
             state.copy_(new + kv_end[:, :, i])
     y = torch.stack(ys, dim=2)  # [Bs, H, C, T, V]
     return y.permute(0, 2, 3, 1, 4).reshape(bs, n_chunks * size, h, n)[:, :length]
+
+
+def scan_ops(*tensors: torch.Tensor) -> Any:
+    """The loaded kernels when the C++ scans take these tensors (float32, CPU, the state contiguous), else
+    None (never builds them: the chunked kernels serve until something else has)."""
+    ops = loaded_native_ops()
+    if ops is None or not hasattr(ops, "wkv7_scan") or not tensors[0].is_contiguous():
+        return None
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return None
+    return ops
+
+
+def wkv7_prefill_(
+    state: torch.Tensor,
+    r: torch.Tensor,
+    log_w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    chunk_size: int = 64,
+    intra: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+) -> torch.Tensor:
+    """:func:`wkv7_chunked_`'s contract, through the C++ scan where the kernels are loaded
+    (:func:`scan_ops`), else through the chunked kernel (``chunk_size``, ``intra``)."""
+    ops = scan_ops(state, r, log_w, k, v, a, b)
+    if ops is not None:
+        return ops.wkv7_scan(state, *(t.contiguous() for t in (r, log_w, k, v, a, b)))
+    return wkv7_chunked_(state, r, log_w, k, v, a, b, chunk_size, intra)

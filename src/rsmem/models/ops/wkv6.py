@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from rsmem.models.ops.wkv import ONE_THREAD_CHUNK_WORK, chunked_layout
+from rsmem.models.ops.wkv import ONE_THREAD_CHUNK_WORK, chunked_layout, scan_ops
 from rsmem.threads import one_thread_below
 
 
@@ -123,3 +123,23 @@ def wkv6_chunked_(
             ys.append(in_chunk[:, :, c0:c1] + r_start[:, :, c0:c1] @ starts)
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)  # [Bs, H, C, T, V]
     return y.permute(0, 2, 3, 1, 4).reshape(bs, n_chunks * size, h, n)[:, :length]
+
+
+def wkv6_prefill_(
+    state: torch.Tensor,
+    r: torch.Tensor,
+    log_w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    u: torch.Tensor,
+    chunk_size: int = 16,
+    intra: Intra | None = None,
+) -> torch.Tensor:
+    """:func:`wkv6_chunked_`'s contract, through the C++ scan (``rsmem_native::wkv6_scan``,
+    ``kernels/csrc/wkv_scan.cpp``; 512 tokens of 12 heads of 64, 2 threads: ~2 ms a layer against the
+    chunked kernel's ~21) where the kernels are loaded (:func:`~rsmem.models.ops.wkv.scan_ops`), else
+    through the chunked kernel (``chunk_size``, ``intra``)."""
+    ops = scan_ops(state, r, log_w, k, v, u)
+    if ops is not None:
+        return ops.wkv6_scan(state, *(t.contiguous() for t in (r, log_w, k, v, u)))
+    return wkv6_chunked_(state, r, log_w, k, v, u, chunk_size, intra)
