@@ -38,10 +38,11 @@ from rsmem.models.ops.quantized import QuantMatrix
 # The 130M random Mamba and Mamba-2 files, f32, Q8_0 and Q4_K_M: at most 1.5e-6.
 CHECK_TOLERANCE = 1e-4
 QUANTIZED_CHECK_TOLERANCE = 1e-2
-# Sequences up to which the op runs (more take the compiled step). Float32 products of up to 16 rows go
-# through the few-row kernel, of more through at::mm. bench/native_step.py, 3 rounds, compiled / C++ ms a
-# step: Mamba-2 130M f32 1.28 at 64 sequences, 1.35 at 128, Q4_K_M 1.46 at 64; Mamba f32 1.01 at 64 and
-# 0.99 at 128 (its compiled mixer was already cheap; Mamba-2's is most of a wide step).
+# Sequences up to which the op runs (more take the compiled step). Float32 products go through the few-row
+# kernel, from PACKED_FROM_ROWS rows through oneDNN's packed twins (at::mm before stop 21).
+# bench/native_step.py, 3 rounds, compiled / C++ ms a step (at::mm then): Mamba-2 130M f32 1.28 at 64
+# sequences, 1.35 at 128, Q4_K_M 1.46 at 64; Mamba f32 1.01 at 64 and 0.99 at 128 (its compiled mixer was
+# already cheap; Mamba-2's is most of a wide step).
 MAX_ROWS = 128
 # qtype of a float32 matrix given as its oneDNN packed twin (csrc/step_common.h's kPackedF32)
 PACKED_F32 = -2
