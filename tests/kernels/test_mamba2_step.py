@@ -17,6 +17,7 @@ import rsmem
 from rsmem.engine import default_model_path
 from rsmem.models.mamba2 import Mamba2Config
 from rsmem.models.ops.fused import mamba2_mixer_step_
+from rsmem.models.ops.native_step import PACKED_FROM_ROWS
 from rsmem.models.random_init import random_mamba2
 
 QUANT = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "quant"
@@ -69,7 +70,8 @@ def _model(seed: int = 5):
     return random_mamba2(cfg, seed=seed)
 
 
-@pytest.mark.parametrize("n_seqs", [1, 4, 20])  # 20: the float32 matrices as their oneDNN packed twins
+# PACKED_FROM_ROWS + 1: the float32 matrices as their oneDNN packed twins
+@pytest.mark.parametrize("n_seqs", [1, 4, PACKED_FROM_ROWS + 1])
 def test_model_decode_matches_the_layer_by_layer_forward(
     ops, monkeypatch: pytest.MonkeyPatch, n_seqs: int
 ) -> None:

@@ -19,6 +19,7 @@ from step_helpers import (
 
 import rsmem
 from rsmem.models.mamba import MambaConfig
+from rsmem.models.ops.native_step import PACKED_FROM_ROWS
 from rsmem.models.random_init import random_mamba
 
 QUANT = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "quant"
@@ -28,7 +29,8 @@ def _model(seed: int = 4):
     return random_mamba(MambaConfig(d_model=64, n_layer=3, n_vocab=80, d_state=16, dt_rank=5), seed=seed)
 
 
-@pytest.mark.parametrize("n_seqs", [1, 3, 20])  # 20: the float32 matrices as their oneDNN packed twins
+# PACKED_FROM_ROWS + 1: the float32 matrices as their oneDNN packed twins
+@pytest.mark.parametrize("n_seqs", [1, 3, PACKED_FROM_ROWS + 1])
 @pytest.mark.parametrize("d_state", [16, 12])  # whole AVX-512 vectors, and a scalar tail
 def test_model_decode_matches_the_layer_by_layer_forward(
     ops, monkeypatch: pytest.MonkeyPatch, d_state: int, n_seqs: int

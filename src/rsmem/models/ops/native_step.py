@@ -48,10 +48,11 @@ MAX_ROWS = 128
 PACKED_F32 = -2
 # qtypes whose products keep float32 activations: float32 rows (-1), packed float32, F16, BF16
 FLOAT_QTYPES = (-1, PACKED_F32, int(gguf.GGMLQuantizationType.F16), int(gguf.GGMLQuantizationType.BF16))
-# Rows from which a step takes float32 matrices as their oneDNN packed twins: up to 16 the few-row kernel
-# streams the plain rows faster (models/ops/small_rows.py); beyond, at::mm on the plain matrix repacked the
-# weights on every call (64 rows, 2 threads: oneDNN's packed product 1.2-1.3x faster on the 130M shapes).
-PACKED_FROM_ROWS = 17
+# Rows from which a step takes float32 matrices as their oneDNN packed twins (fewer: the few-row kernel on
+# the plain rows). The 130M RWKV-7's 73 matrices, 2 threads, weights cold as in a step, 5 interleaved
+# rounds, few-row kernel / packed time: 0.78 at 24 rows, 0.82 at 32, 0.91 at 48, 0.98 at 64, 1.04 at 96
+# (at::mm on the plain matrix, which repacked the weights on every call, was slower than both).
+PACKED_FROM_ROWS = 65
 
 
 def native_matrix(matrix: Any, packed: bool = False) -> tuple[torch.Tensor, int] | None:
