@@ -58,6 +58,7 @@ HEADERS = (
     "rows_kernel.h",
     "step_common.h",
     "vec_math.h",
+    "wkv_token.h",
 )
 CFLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp")
 

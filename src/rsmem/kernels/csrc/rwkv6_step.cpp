@@ -26,6 +26,7 @@
 
 #include "pool.h"
 #include "step_common.h"
+#include "wkv_token.h"
 
 namespace rsmem {
 namespace {
@@ -71,23 +72,8 @@ void wkv6(float* S, const float* r, const float* w, const float* k, const float*
   const int64_t C = H * N;
   pool::parallel_for(0, M * H, std::max<int64_t>(1, 4096 / (N * N)), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t off = (i / H) * C + (i % H) * N, uo = (i % H) * N;
-      float* st = S + i * N * N;
-      const float* vv = v + off;
-      float* yo = y + off;
-      float bonus = 0.f;
-      for (int64_t j = 0; j < N; ++j) bonus += r[off + j] * u[uo + j] * k[off + j];
-#pragma omp simd
-      for (int64_t c = 0; c < N; ++c) yo[c] = bonus * vv[c];
-      for (int64_t j = 0; j < N; ++j) {
-        float* row = st + j * N;
-        const float rj = r[off + j], wj = w[off + j], kj = k[off + j];
-#pragma omp simd
-        for (int64_t c = 0; c < N; ++c) {
-          yo[c] += row[c] * rj;
-          row[c] = row[c] * wj + kj * vv[c];
-        }
-      }
+      const int64_t off = (i / H) * C + (i % H) * N;
+      wkv::token6(S + i * N * N, r + off, w + off, k + off, v + off, u + (i % H) * N, y + off, N);
     }
   });
 }

@@ -31,6 +31,7 @@
 
 #include "pool.h"
 #include "step_common.h"
+#include "wkv_token.h"
 
 namespace rsmem {
 namespace {
@@ -87,23 +88,7 @@ void wkv7(float* S, const float* r, const float* w, const float* k, const float*
         nkk[j] = -kk[off + j];
         b[j] = kk[off + j] * a[off + j];
       }
-      float* st = S + i * N * N;
-      const float *rr = r + off, *ww = w + off, *kh = k + off;
-      for (int64_t vi = 0; vi < N; ++vi) {
-        float* row = st + vi * N;
-        float sa = 0.f;
-#pragma omp simd reduction(+ : sa)
-        for (int64_t j = 0; j < N; ++j) sa += row[j] * nkk[j];
-        const float vv = v[off + vi];
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t j = 0; j < N; ++j) {
-          const float s = row[j] * ww[j] + sa * b[j] + vv * kh[j];
-          row[j] = s;
-          acc += s * rr[j];
-        }
-        y[off + vi] = acc;
-      }
+      wkv::token7(S + i * N * N, r + off, w + off, k + off, v + off, nkk, b, y + off, N);
     }
   });
 }

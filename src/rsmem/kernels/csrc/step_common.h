@@ -1,7 +1,8 @@
-// What the C++ decode steps (mamba2_step.cpp, mamba_step.cpp) share: scalar activations, the RMS norm of one
-// row, operand checks that name the op and the operand, and the one-row product of a float32 matrix (the
-// few-row kernel, rows_kernel.h) or of quantized / F16 / BF16 blocks (rsmem_native::qmatmul through the
-// dispatcher, so the steps need not see its translation unit).
+// What the C++ decode steps (mamba_step.cpp, mamba2_step.cpp, hybrid_step.cpp, rwkv7_step.cpp,
+// rwkv6_step.cpp) share: scalar activations, RMS and layer norms of a row, operand checks that name the op and
+// the operand, the products of a float32 matrix (the few-row kernel, rows_kernel.h, or its oneDNN packed
+// twin) or of quantized / F16 / BF16 blocks (rsmem_native::qmatmul through the dispatcher, so the steps need
+// not see its translation unit), low-rank products, and per-row work shared between rsmem's workers.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -21,6 +21,7 @@
 
 #include "pool.h"
 #include "vec_math.h"
+#include "wkv_token.h"
 
 namespace rsmem {
 namespace {
@@ -70,23 +71,8 @@ at::Tensor wkv7_scan(at::Tensor state, const at::Tensor& r, const at::Tensor& lo
       float* st = sp + i * N * N;
       for (int64_t t = 0; t < L; ++t) {
         const int64_t off = ((s * L + t) * H + h) * N;
-        const float *rr = rp + off, *kk = kp + off, *vv = vp + off, *aa = ap + off, *bb = bp + off;
         decay(lp + off, w, N);
-        for (int64_t vi = 0; vi < N; ++vi) {
-          float* row = st + vi * N;
-          float sa = 0.f;
-#pragma omp simd reduction(+ : sa)
-          for (int64_t j = 0; j < N; ++j) sa += row[j] * aa[j];
-          const float vval = vv[vi];
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t j = 0; j < N; ++j) {
-            const float x = row[j] * w[j] + sa * bb[j] + vval * kk[j];
-            row[j] = x;
-            acc += x * rr[j];
-          }
-          yp[off + vi] = acc;
-        }
+        wkv::token7(st, rp + off, w, kp + off, vp + off, ap + off, bp + off, yp + off, N);
       }
     }
   });
@@ -111,22 +97,8 @@ at::Tensor wkv6_scan(at::Tensor state, const at::Tensor& r, const at::Tensor& lo
       const float* uh = up + h * N;
       for (int64_t t = 0; t < L; ++t) {
         const int64_t off = ((s * L + t) * H + h) * N;
-        const float *rr = rp + off, *kk = kp + off, *vv = vp + off;
-        float* yo = yp + off;
         decay(lp + off, w, N);
-        float bonus = 0.f;
-        for (int64_t j = 0; j < N; ++j) bonus += rr[j] * uh[j] * kk[j];
-#pragma omp simd
-        for (int64_t c = 0; c < N; ++c) yo[c] = bonus * vv[c];
-        for (int64_t j = 0; j < N; ++j) {
-          float* row = st + j * N;
-          const float rj = rr[j], wj = w[j], kj = kk[j];
-#pragma omp simd
-          for (int64_t c = 0; c < N; ++c) {
-            yo[c] += row[c] * rj;
-            row[c] = row[c] * wj + kj * vv[c];
-          }
-        }
+        wkv::token6(st, rp + off, w, kp + off, vp + off, uh, yp + off, N);
       }
     }
   });
