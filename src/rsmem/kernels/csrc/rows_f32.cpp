@@ -41,12 +41,7 @@ at::Tensor rows_f32(const at::Tensor& x_in, const at::Tensor& w) {
 // then needs no guard on the row count.
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed, int64_t max_rows) {
   if (x.dim() == 2 && x.size(0) <= max_rows) return rows_f32(x, w);
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{x.contiguous(), packed, c10::IValue(), std::string("none"),
-                                 c10::List<std::optional<at::Scalar>>(), c10::IValue()};
-  op.callBoxed(stack);
-  return stack[0].toTensor();
+  return rows::packed_product(x, packed);
 }
 
 }  // namespace

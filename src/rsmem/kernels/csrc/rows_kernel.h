@@ -12,7 +12,9 @@
 // small product saves). Without AVX2 (-march=x86-64-v2): a scalar loop, the same values.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Half.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -22,6 +24,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "pool.h"
 
@@ -249,6 +254,17 @@ void product(const float* x, int64_t ldx, const typename W::T* w, int64_t ldw, i
       }
     }
   });
+}
+
+// x [M, K] @ w^T through oneDNN's product with `packed`, w's packed twin (torch.ops.mkldnn's
+// _reorder_linear_weight): the route beyond the rows this kernel is for
+inline at::Tensor packed_product(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle linear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x.contiguous(), packed, c10::IValue(), std::string("none"),
+                                 c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+  linear.callBoxed(stack);
+  return stack[0].toTensor();
 }
 
 }  // namespace rows

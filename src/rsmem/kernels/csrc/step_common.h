@@ -11,9 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <optional>
-#include <string>
-#include <vector>
 
 #include "pool.h"
 #include "rows_kernel.h"
@@ -112,14 +109,7 @@ inline void layer_norm_rows(const float* x, const float* w, const float* b, floa
 
 // x [M, K] (contiguous) @ W^T for a checked matrix (check_matrix)
 inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
-  if (qtype == kPackedF32) {
-    static const c10::OperatorHandle linear =
-        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    std::vector<c10::IValue> stack{x.contiguous(), w, c10::IValue(), std::string("none"),
-                                   c10::List<std::optional<at::Scalar>>(), c10::IValue()};
-    linear.callBoxed(stack);
-    return stack[0].toTensor();
-  }
+  if (qtype == kPackedF32) return rows::packed_product(x, w);
   if (qtype < 0) {  // the few-row kernel for any count: the caller gives the big matrices packed where it pays
     const int64_t M = x.size(0), N = w.size(0), Kd = x.size(1);
     at::Tensor y = at::empty({M, N}, x.options());
