@@ -58,6 +58,43 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def _run_many(model, n: int) -> list[torch.Tensor]:
+    """``n`` sequences with prompts of 3 to 7 tokens, then two steps of all of them together: the logits of
+    each step, then the memory's recurrent rows and keys and values."""
+    ctx = rsmem.Context(model, n_seq_max=n, n_ctx=16 * n, kv_unified=True)
+    for s in range(n):
+        prompt = [(5 * s + t) % 60 + 1 for t in range(3 + s % 5)]
+        ctx.decode(rsmem.Batch(prompt, seq_ids=[[s]] * len(prompt), logits=[False] * len(prompt)))
+    out = []
+    for k in range(2):
+        toks = [(s + 3 * k) % 60 + 1 for s in range(n)]
+        ctx.decode(rsmem.Batch(toks, seq_ids=[[s] for s in range(n)], logits=[True] * n))
+        out.append(ctx.logits.clone())
+    memory = ctx.memory
+    rows = [t for t in (*memory.recurrent.r_l, *memory.recurrent.s_l) if t is not None]
+    return [*out, *rows, *memory.kv.k_l.values(), *memory.kv.v_l.values()]
+
+
+@needs_cxx
+@pytest.mark.parametrize("arch", ARCHS)
+def test_many_sequences_take_the_packed_matrices(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From PACKED_FROM_ROWS sequences the op takes the float32 matrices as their oneDNN packed twins, its
+    first call of that form checked too; the eager path's results."""
+    n = hybrid_native.PACKED_FROM_ROWS + 1
+    model = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=False)
+    want = _run_many(model, n)
+    native_ops()
+    calls = _counting(monkeypatch)
+    model.set_compile(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = _run_many(model, n)
+    assert model._native is not None and model._native.checked == {True} and model._native.failed is None
+    assert calls == [n, n]  # the first on copies for the check, the second for real
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
 @needs_cxx
 @pytest.mark.parametrize("unified", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
@@ -70,7 +107,7 @@ def test_native_step_matches_eager(arch: str, unified: bool, monkeypatch: pytest
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed check would fall back silently
         got, got_state = _run(model, unified)
-    assert model._native is not None and model._native.checked and model._native.failed is None
+    assert model._native is not None and model._native.checked == {False} and model._native.failed is None
     # the first step ran the op on copies for its check; every later step through it, widths 1, 3, 2
     assert calls == [1, 1, 1, 1, 3, 3, 3, 1, 2]
     assert [t.shape for t in got] == [t.shape for t in eager]

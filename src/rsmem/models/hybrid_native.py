@@ -9,9 +9,10 @@ once as a list of :class:`NativeBlock` (residual blocks of the kinds the op know
 SwiGLU, Nemotron-H's ReLU² MLP, attention, Mamba-2's layer), and each step fills in the states and the KV
 cache's rows and cells (:meth:`~rsmem.memory.kv_attention.KVCacheContext.decode_cells`).
 
-The first call runs the op on copies (the states, and the KV rows it reads or writes gathered into a small
-table) and then the compiled chains for real, and compares logits, states and the keys and values written;
-where the op fails or differs, a warning says so and the model keeps its chains.
+The first call of each form of the matrices (float32 ones plain, or from PACKED_FROM_ROWS sequences their
+oneDNN packed twins) runs the op on copies (the states, and the KV rows it reads or writes gathered into a
+small table) and then the compiled chains for real, and compares logits, states and the keys and values
+written; where the op fails or differs, a warning says so and the model keeps its chains.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ from rsmem.kernels.build import loaded_native_ops
 from rsmem.memory.kv_attention import DecodeCells
 from rsmem.models.hybrid_layers import HybridStates
 from rsmem.models.ops.common import output_rows
-from rsmem.models.ops.native_step import CHECK_TOLERANCE, MAX_ROWS, difference, native_matrix
+from rsmem.models.ops.native_step import (
+    CHECK_TOLERANCE,
+    MAX_ROWS,
+    PACKED_FROM_ROWS,
+    difference,
+    native_matrix,
+)
 
 CONV, SWIGLU, RELU2, ATTENTION, MAMBA2 = range(5)  # the op's block kinds
 N_TENSORS = {CONV: 5, SWIGLU: 3, RELU2: 3, ATTENTION: 7, MAMBA2: 11}
@@ -61,39 +68,46 @@ class HybridNativeStep:
         self, blocks: list[NativeBlock], norm_f: torch.Tensor, head: Any, n_group: int, eps: float
     ) -> None:
         self.failed: BaseException | str | None = None
-        self.checked = False
+        self.checked: set[bool] = set()  # the forms checked: packed (True) or plain (False)
         self.attention_layers = tuple(b.il for b in blocks if b.kind == ATTENTION)
         self._kinds = [b.kind for b in blocks]
         self._heads = [h for b in blocks if b.kind == ATTENTION for h in b.heads]
         self._scales = [b.scale for b in blocks if b.kind == ATTENTION]
-        self._flat: list[torch.Tensor] = []
-        self._qtypes: list[int] = []
         self._slots: list[tuple[int, int, int]] = []  # (position in flat, layer, index in its fill)
         self._consts = (n_group, eps)
         self._norm_f = norm_f
-        found = native_matrix(head)
+        # each form's tensors, matrices' qtypes, head and its qtype
+        self._forms = {packed: self._operands(blocks, head, packed) for packed in (False, True)}
+
+    def _operands(
+        self, blocks: list[NativeBlock], head: Any, packed: bool
+    ) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int]:
+        flat: list[torch.Tensor] = []
+        qtypes: list[int] = []
+        slots = []
+        found = native_matrix(head, packed)
         for b in blocks:
             if len(b.tensors) != N_TENSORS[b.kind]:
                 n = N_TENSORS[b.kind]
                 raise ValueError(f"block kind {b.kind} takes {n} tensors, got {len(b.tensors)}")
             for i, t in enumerate(b.tensors):
                 if i in FILLED[b.kind]:
-                    self._slots.append((len(self._flat), b.il, FILLED[b.kind].index(i)))
-                    self._flat.append(NONE)
+                    slots.append((len(flat), b.il, FILLED[b.kind].index(i)))
+                    flat.append(NONE)
                 elif i in MATRICES[b.kind]:
-                    m = native_matrix(t)
+                    m = native_matrix(t, packed)
                     if m is None:
                         found = None
                         break
-                    self._flat.append(m[0])
-                    self._qtypes.append(m[1])
+                    flat.append(m[0])
+                    qtypes.append(m[1])
                 else:
-                    self._flat.append(NONE if t is None else t)
+                    flat.append(NONE if t is None else t)
+        self._slots = slots
         if found is None:
             self.failed = "a matrix has no form the op takes"
-            self._head, self._head_q = NONE, -1
-        else:
-            self._head, self._head_q = found
+            return flat, qtypes, NONE, -1
+        return flat, qtypes, found[0], found[1]
 
     def usable(self, n_seqs: int) -> bool:
         """Whether the op runs here for ``n_seqs`` sequences: the kernels are loaded, ``RSMEM_NATIVE_STEP``
@@ -113,17 +127,18 @@ class HybridNativeStep:
         """The logits ``[n_seqs, n_vocab]`` of one token a sequence (``x`` their embeddings); ``fills``: each
         layer's states (updated in place) or KV rows (the tokens' keys and values written); ``cells`` as
         ``decode_cells`` gives them; ``rope``: cos and sin ``[n_seqs, ..., n_rot / 2]``."""
-        flat = list(self._flat)
+        n = x.shape[0]
+        tensors, qtypes, head, head_q = self._forms[n >= PACKED_FROM_ROWS]
+        flat = list(tensors)
         for at, il, k in self._slots:
             flat[at] = fills[il][k]
         store, index, valid = cells
-        n = x.shape[0]
         cos, sin = (NONE, NONE) if rope is None else (rope[0].reshape(n, -1), rope[1].reshape(n, -1))
         ops = loaded_native_ops()
         assert ops is not None
         return ops.hybrid_step(
-            x, self._kinds, flat, self._qtypes, self._heads, self._scales, store, index, valid, cos, sin,
-            self._norm_f, self._head, self._head_q, *self._consts,
+            x, self._kinds, flat, qtypes, self._heads, self._scales, store, index, valid, cos, sin,
+            self._norm_f, head, head_q, *self._consts,
         )  # fmt: skip
 
     def decode(
@@ -135,11 +150,13 @@ class HybridNativeStep:
         rows: list[int],
         twin: Callable[[], torch.Tensor],
     ) -> torch.Tensor:
-        """The logits of the output ``rows``: through the op, or (its first call) through ``twin`` (the
-        compiled chains, run for real) after the op ran on copies and was compared with it."""
-        if self.checked:
+        """The logits of the output ``rows``: through the op, or (the first call of a form of the matrices)
+        through ``twin`` (the compiled chains, run for real) after the op ran on copies and was compared
+        with it."""
+        form = x.shape[0] >= PACKED_FROM_ROWS
+        if form in self.checked:
             return output_rows(self(x, fills, cells, rope), rows)
-        self.checked = True
+        self.checked.add(form)
         try:
             copies, cells_copy = self._copies(fills, cells)
             got = output_rows(self(x, copies, cells_copy, rope), rows)
