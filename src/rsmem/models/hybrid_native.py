@@ -73,18 +73,20 @@ class HybridNativeStep:
         self._kinds = [b.kind for b in blocks]
         self._heads = [h for b in blocks if b.kind == ATTENTION for h in b.heads]
         self._scales = [b.scale for b in blocks if b.kind == ATTENTION]
-        self._slots: list[tuple[int, int, int]] = []  # (position in flat, layer, index in its fill)
         self._consts = (n_group, eps)
         self._norm_f = norm_f
-        # each form's tensors, matrices' qtypes, head and its qtype
-        self._forms = {packed: self._operands(blocks, head, packed) for packed in (False, True)}
+        # each form's tensors, matrices' qtypes, head and its qtype; the filled positions are the same in both
+        plain, self._slots = self._operands(blocks, head, False)
+        self._forms = {False: plain, True: self._operands(blocks, head, True)[0]}
 
     def _operands(
         self, blocks: list[NativeBlock], head: Any, packed: bool
-    ) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int]:
+    ) -> tuple[tuple[list[torch.Tensor], list[int], torch.Tensor, int], list[tuple[int, int, int]]]:
+        """The op's tensors (matrices ``packed`` or not; placeholders where a step fills in), their qtypes,
+        the head and its qtype; and the slots each step fills: (position, layer, index in its fill)."""
         flat: list[torch.Tensor] = []
         qtypes: list[int] = []
-        slots = []
+        slots: list[tuple[int, int, int]] = []
         found = native_matrix(head, packed)
         for b in blocks:
             if len(b.tensors) != N_TENSORS[b.kind]:
@@ -103,11 +105,10 @@ class HybridNativeStep:
                     qtypes.append(m[1])
                 else:
                     flat.append(NONE if t is None else t)
-        self._slots = slots
         if found is None:
             self.failed = "a matrix has no form the op takes"
-            return flat, qtypes, NONE, -1
-        return flat, qtypes, found[0], found[1]
+            return (flat, qtypes, NONE, -1), slots
+        return (flat, qtypes, found[0], found[1]), slots
 
     def usable(self, n_seqs: int) -> bool:
         """Whether the op runs here for ``n_seqs`` sequences: the kernels are loaded, ``RSMEM_NATIVE_STEP``

@@ -48,8 +48,8 @@ inline void check_f32(const char* op, const at::Tensor& t, int64_t numel, const 
 }
 
 // qtype of a float32 [out, in] matrix given as its oneDNN packed twin (torch.ops.mkldnn._reorder_linear_weight):
-// the products of many rows (several sequences' decode) run through oneDNN's blocked product on it, which
-// at 64 rows beat at::mm on the plain matrix by 1.2-1.3x here (at::mm repacked the weights on every call)
+// the products of many rows run through oneDNN's blocked product on it; the caller passes it from the rows
+// where that beats the few-row kernel (rsmem.models.ops.native_step.PACKED_FROM_ROWS)
 constexpr int64_t kPackedF32 = -2;
 
 // a matrix of N rows of K values: float32 [N, K] with contiguous rows (qtype -1), its oneDNN packed twin
