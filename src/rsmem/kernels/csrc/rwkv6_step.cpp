@@ -145,7 +145,14 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     const at::Tensor dw = lora(step::map_(lora(part(0), t[9]), step::tanh_), t[10]);
     const float *dwp = dw.data_ptr<float>(), *decay = vec(8);
     step::each_row(M, 8 * C, [&](int64_t m) {
-      for (int64_t j = 0; j < C; ++j) wp[m * C + j] = std::exp(-std::exp(decay[j] + dwp[m * C + j]));
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      for (; j + 16 <= C; j += 16) {  // std::exp one value at a time
+        const __m512 z = _mm512_add_ps(_mm512_loadu_ps(decay + j), _mm512_loadu_ps(dwp + m * C + j));
+        _mm512_storeu_ps(wp + m * C + j, exp16(_mm512_sub_ps(_mm512_setzero_ps(), exp16(z))));
+      }
+#endif
+      for (; j < C; ++j) wp[m * C + j] = std::exp(-std::exp(decay[j] + dwp[m * C + j]));
     });
     wkv6(t[25].data_ptr<float>(), r.data_ptr<float>(), wp, k.data_ptr<float>(), v.data_ptr<float>(), vec(11), yp,
          M, H, N);
@@ -159,7 +166,18 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         mean /= static_cast<float>(N);
         for (int64_t j = 0; j < N; ++j) var += (yh[j] - mean) * (yh[j] - mean);
         const float inv = 1.f / std::sqrt(var / static_cast<float>(N) + kGroupNormEps);
-        for (int64_t j = 0; j < N; ++j) {
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        for (; j + 16 <= N; j += 16) {
+          const int64_t c = hh * N + j;
+          const __m512 gv = _mm512_loadu_ps(gp + m * C + c);
+          const __m512 nv = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(yh + j), _mm512_set1_ps(mean)),
+                                                          _mm512_set1_ps(inv)),
+                                            _mm512_loadu_ps(ln_w + c), _mm512_loadu_ps(ln_b + c));
+          _mm512_storeu_ps(yh + j, _mm512_mul_ps(nv, _mm512_mul_ps(gv, sigmoid16(gv))));
+        }
+#endif
+        for (; j < N; ++j) {
           const int64_t c = hh * N + j;
           yh[j] = ((yh[j] - mean) * inv * ln_w[c] + ln_b[c]) * silu(gp[m * C + c]);
         }
@@ -191,7 +209,15 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     const float *op = out.data_ptr<float>(), *rfp = rf.data_ptr<float>();
     const bool halve = rescale_every > 0 && (il + 1) % rescale_every == 0;
     step::each_row(M, 8 * C, [&](int64_t m) {
-      for (int64_t e = m * C; e < (m + 1) * C; ++e) {
+      int64_t e = m * C;
+#if defined(__AVX512F__)
+      for (; e + 16 <= (m + 1) * C; e += 16) {
+        __m512 xv = _mm512_fmadd_ps(sigmoid16(_mm512_loadu_ps(rfp + e)), _mm512_loadu_ps(op + e), _mm512_loadu_ps(xp + e));
+        if (halve) xv = _mm512_mul_ps(xv, _mm512_set1_ps(0.5f));
+        _mm512_storeu_ps(xp + e, xv);
+      }
+#endif
+      for (; e < (m + 1) * C; ++e) {
         xp[e] += sigmoid(rfp[e]) * op[e];
         if (halve) xp[e] *= 0.5f;
       }

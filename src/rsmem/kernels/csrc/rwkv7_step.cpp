@@ -155,7 +155,21 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     const float *dvp = il > 0 ? dv.data_ptr<float>() : nullptr, *v0 = vec(11), *vf = v_first.data_ptr<float>();
     // per row: the decay, the in-context rate, the value residual, kk and the key's update
     step::each_row(M, 6 * C, [&](int64_t m) {
-      for (int64_t j = 0; j < C; ++j) {
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      for (; j + 16 <= C; j += 16) {  // std::exp one value at a time was ~3% of a 64-sequence step
+        const int64_t e = m * C + j;
+        const __m512 sw = sigmoid16(_mm512_add_ps(_mm512_loadu_ps(w0 + j), _mm512_loadu_ps(dwp + e)));
+        _mm512_storeu_ps(wp + e, exp16(_mm512_mul_ps(_mm512_set1_ps(-kDecayScale), sw)));
+        _mm512_storeu_ps(ap + e, sigmoid16(_mm512_add_ps(_mm512_loadu_ps(a0 + j), _mm512_loadu_ps(dap + e))));
+        if (dvp != nullptr) {
+          const __m512 vv = _mm512_loadu_ps(vp + e);
+          const __m512 sv = sigmoid16(_mm512_add_ps(_mm512_loadu_ps(v0 + j), _mm512_loadu_ps(dvp + e)));
+          _mm512_storeu_ps(vp + e, _mm512_add_ps(vv, _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(vf + e), vv), sv)));
+        }
+      }
+#endif
+      for (; j < C; ++j) {
         const int64_t e = m * C + j;
         wp[e] = std::exp(-kDecayScale * sigmoid(w0[j] + dwp[e]));
         ap[e] = sigmoid(a0[j] + dap[e]);

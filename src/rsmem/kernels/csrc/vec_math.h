@@ -1,5 +1,5 @@
 // Vectorised row math shared by the kernels: exp16, exp(x) for 16 floats (AVX-512), a Cephes-style
-// polynomial, ~1 ulp over the float range (clamped to [-87.3, 88.3]); gate_row, the gated norm's pass over a
+// polynomial, ~1 ulp over the float range (clamped to [-87.3, 88.3]), and sigmoid16; gate_row, the gated norm's pass over a
 // row (gated_norm.cpp, the decode steps); update_row, one row of Mamba-2's state update (ssd_scan.cpp,
 // mamba2_step.cpp).
 #pragma once
@@ -29,6 +29,12 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// 1 / (1 + exp(-x)) for 16 floats
+inline __m512 sigmoid16(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  return _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 #endif
 
