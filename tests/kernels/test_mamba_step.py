@@ -78,6 +78,27 @@ def test_step_rejects_a_bad_layer_before_writing(ops) -> None:
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
+def test_accepts_looks_again_when_a_matrix_or_state_changes(ops) -> None:
+    """accepts keeps its verdict on the weights between calls; another matrix object, or a state that is
+    not a contiguous float32 tensor, is looked at again."""
+    model = _model()
+    step = model._native
+    x, head, flat = one_step_args(model)
+    n = step.n_fields
+    assert step.accepts(head, flat) and step.accepts(head, flat)
+    m = step.matrices[0]
+    swapped = list(flat)
+    swapped[m] = torch.zeros(4, 4, dtype=torch.float64)  # a matrix the op does not take
+    assert not step.accepts(head, swapped)
+    assert step.accepts(head, flat)
+    strided = list(flat)
+    strided[n - 1] = torch.zeros_like(flat[n - 1]).transpose(-1, -2)  # the first layer's state
+    assert not step.accepts(head, strided)
+    halved = list(flat)
+    halved[n - 2] = flat[n - 2].double()
+    assert not step.accepts(head, halved)
+
+
 @pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3"])
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_portable_and_avx2_builds_match(ops, arch: str, march: str) -> None:

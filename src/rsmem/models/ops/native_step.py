@@ -122,6 +122,9 @@ class NativeStep:
         self._checked = False
         # (packed, ids of the weights) -> the op's weight operands, one entry for each form
         self._cache: dict[bool, tuple[tuple[int, ...], list[torch.Tensor], list[int], torch.Tensor, int]] = {}
+        # the weights (head first) whose every matrix has a form the op takes: accepts' verdict, kept (the
+        # objects themselves, so that their ids stay theirs) as the model's matrices do not change
+        self._accepted: tuple[Any, ...] = ()
 
     def ops(self) -> Any:
         """The kernels when they are loaded in this process (never built for this: the compiled step and
@@ -136,15 +139,18 @@ class NativeStep:
     def accepts(self, head: Any, flat: Sequence[Any]) -> bool:
         """Whether the op runs here (:meth:`ops`), every matrix has a form it takes and every state is a
         contiguous float32 tensor."""
-        if self.failed is not None or self.ops() is None or native_matrix(head) is None:
+        if self.failed is not None or self.ops() is None:
             return False
-        for i in range(0, len(flat), self.n_fields):
-            layer = flat[i : i + self.n_fields]
-            if any(native_matrix(layer[m]) is None for m in self.matrices):
+        n = self.n_fields
+        weights = (head, *(t for i, t in enumerate(flat) if i % n < n - 2))
+        if len(weights) != len(self._accepted) or any(a is not b for a, b in zip(weights, self._accepted)):
+            if native_matrix(head) is None:
                 return False
-            if any(s.dtype != torch.float32 or not s.is_contiguous() for s in layer[-2:]):
-                return False
-        return True
+            for i in range(0, len(flat), n):
+                if any(native_matrix(flat[i + m]) is None for m in self.matrices):
+                    return False
+            self._accepted = weights
+        return all(s.dtype == torch.float32 and s.is_contiguous() for i, s in enumerate(flat) if i % n >= n - 2)
 
     def _build(
         self, head: Any, flat: Sequence[Any], packed: bool = False
