@@ -150,7 +150,8 @@ class NativeStep:
                 if any(native_matrix(flat[i + m]) is None for m in self.matrices):
                     return False
             self._accepted = weights
-        return all(s.dtype == torch.float32 and s.is_contiguous() for i, s in enumerate(flat) if i % n >= n - 2)
+        states = (s for i, s in enumerate(flat) if i % n >= n - 2)
+        return all(s.dtype == torch.float32 and s.is_contiguous() for s in states)
 
     def _build(
         self, head: Any, flat: Sequence[Any], packed: bool = False
