@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+from rsmem.hugepages import huge_page_copies
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.fused import RowsOperand
@@ -125,8 +126,9 @@ class RwkvModelBase:
         self.emb_norm, self.emb_norm_b = vector(weights.emb_norm), vector(weights.emb_norm_b)
         self.norm_f, self.norm_f_b = vector(weights.norm_f), vector(weights.norm_f_b)
         self.held = HeldMatrices(dtype)
-        self.lm_head = self.held.hold(weights.lm_head)  # [in, out]
-        self.layers = [self._held_layer(ly) for ly in weights.layers]
+        moved = self._huge_page_matrices(weights)
+        self.lm_head = self.held.hold(moved.get(id(weights.lm_head), weights.lm_head))  # [in, out]
+        self.layers = [self._held_layer(ly, moved) for ly in weights.layers]
         matrices = [self.lm_head, *(getattr(ly, name) for ly in self.layers for name in self.matrices)]
         self._n_matrix_weights = sum(m.numel() for m in matrices)
         # the compiled step streams [out, in] rows: float32 matrices held as views of them (with packing)
@@ -138,13 +140,32 @@ class RwkvModelBase:
         self.wkv_intra: CompiledStep[tuple[torch.Tensor, ...]] | None = None
         self.set_compile(compile)
 
-    def _held_layer(self, ly: Any) -> Any:
+    def _huge_page_matrices(self, weights: Any) -> dict[int, torch.Tensor]:
+        """The float32 head and layer matrices copied onto huge pages (:mod:`rsmem.hugepages`: a decode step
+        streams them all; the loader's copies sat on the heap's 4 KiB pages), by the id of the loader's
+        tensor; none when they are held as copies anyway (another dtype, or no oneDNN packing: see
+        :func:`~rsmem.models.ops.packed.held_matrix`); quantized ones stay where the loader put them."""
+        if self.dtype != torch.float32 or not self.held.packing:
+            return {}
+        layers = (getattr(ly, name) for ly in weights.layers for name in self.matrices)
+        candidates = [weights.lm_head, *layers]
+        found = [
+            t
+            for t in candidates
+            if isinstance(t, torch.Tensor)
+            and t.dtype == torch.float32
+            and t.is_contiguous()
+            and t is not weights.embedding
+        ]
+        return {id(t): c for t, c in zip(found, huge_page_copies(found), strict=True)}
+
+    def _held_layer(self, ly: Any, moved: dict[int, torch.Tensor]) -> Any:
         """A copy of ``ly``: the matrices of :attr:`matrices` held ``[in, out]`` (:class:`HeldMatrices`),
         every other tensor float32 (None stays None)."""
         fields = {
             name: None
             if (t := getattr(ly, name)) is None
-            else self.held.hold(t)
+            else self.held.hold(moved.get(id(t), t))
             if name in self.matrices
             else t.to(torch.float32).contiguous()
             for name in (f.name for f in dataclasses.fields(self.layer_cls))
