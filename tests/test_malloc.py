@@ -69,3 +69,35 @@ def test_rsmem_malloc_0_leaves_glibcs_defaults_which_fault_every_round():
 def test_the_users_own_malloc_tuning_is_left_alone(variable: str):
     value = "glibc.malloc.check=0" if variable == "GLIBC_TUNABLES" else "1048576"
     assert rounds(**{variable: value})["policy"] == "user"
+
+
+# Twenty 8 MiB blocks from the heap (under the kept mmap threshold) written, one more kept at the heap's top,
+# the twenty freed: they stay resident until release_freed hands their pages back.
+RELEASE = r"""
+import ctypes, json
+import rsmem, rsmem.malloc
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+SIZE = 8 << 20
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+blocks = [libc.malloc(SIZE) for _ in range(20)]
+top = libc.malloc(SIZE)
+for b in (*blocks, top):
+    ctypes.memset(b, 1, SIZE)
+for b in blocks:
+    libc.free(b)
+freed = resident()
+released = rsmem.malloc.release_freed()
+print(json.dumps({"released": released, "dropped": freed - resident(), "freed": 20 * SIZE}))
+"""
+
+
+def test_release_freed_hands_freed_heap_pages_back():
+    out = subprocess.run(
+        [sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120, check=True
+    )
+    got = json.loads(out.stdout)
+    assert got["released"] is True
+    assert got["dropped"] > 0.9 * got["freed"], got  # kept resident by the policy until then

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from rsmem import malloc
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.checkpoint import Checkpoint, build_model
 from rsmem.loaders.convert import convert_hf_to_gguf
@@ -61,6 +62,8 @@ def load_model(
     model = build_model(ckpt, dtype, compile)
     if ckpt.tokenizer is not None:
         model.tokenizer = build_tokenizer(ckpt.tokenizer)
+    del ckpt  # the loader's tensors: the model holds copies of the large ones
+    malloc.release_freed()
     use_threads(model, n_threads)
     return model
 
