@@ -139,7 +139,7 @@ struct BF16W {
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 // y[m, n0 + r] for r < R, m < MB: the weight rows w + (n0 + r) * ldw against the activation rows x + m * ldx.
-// `next` (R rows of a later block, or null) is prefetched into L2 as this block goes: into L1, or just the
+// `next` (pf_rows rows of a later block, or null) is prefetched into L2 as this block goes: into L1, or just the
 // next block, gains nothing here; kAhead blocks ahead into L2 lets the loads overlap the multiply-adds
 // (float32, 8 rows of [65536, 768], one thread: 9.0 -> 14.3 GB/s). One cache line a row every 64 bytes.
 // A single activation row is left to the hardware prefetcher: its loop is bound by memory, not by the
@@ -148,7 +148,7 @@ struct BF16W {
 // 26.0 GB/s with them, 12.5 without; 2 rows about even, 4 rows 7% better with them).
 template <class W, int R, int MB>
 inline void block(const typename W::T* __restrict w, int64_t ldw, const float* __restrict x, int64_t ldx,
-                  int64_t K, float* __restrict y, int64_t ldy, const typename W::T* next, bool add) {
+                  int64_t K, float* __restrict y, int64_t ldy, const typename W::T* next, int64_t pf_rows, bool add) {
   constexpr int64_t kLine = 64 / sizeof(typename W::T);  // elements a cache line
   vec acc[R][MB];
   for (int r = 0; r < R; ++r)
@@ -156,7 +156,7 @@ inline void block(const typename W::T* __restrict w, int64_t ldw, const float* _
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     if (next != nullptr && (k & (kLine - 1)) == 0)
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * ldw + k), _MM_HINT_T1);
+      for (int64_t r = 0; r < pf_rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * ldw + k), _MM_HINT_T1);
     vec wv[R];
     for (int r = 0; r < R; ++r) wv[r] = W::load(w + r * ldw + k);
     for (int m = 0; m < MB; ++m) {
@@ -192,25 +192,38 @@ constexpr int rows_for() {
 }
 #endif
 
-// y[0:MB, n0:n1] (MB activation rows at x, y already offset to them): full blocks of R rows, then
-// the remaining rows one at a time; rows before pf_end are prefetched ahead (none when pf_end is 0).
+// What a pass over rows [n0, n1) prefetches into L2 as it goes. `ahead`: its own blocks, kAhead ahead, below
+// `end` (a pass that reads the weights from memory). Else rows [from, end) of the next tile, spread over the
+// pass's blocks: with many groups of activation rows a pass that reads its tile from cache fetches a share
+// of the next tile, a row a block, so that the next tile's first pass finds it in L2.
+struct Prefetch {
+  bool ahead = false;
+  int64_t from = 0, end = 0;
+};
+
+// y[0:MB, n0:n1] (MB activation rows at x, y already offset to them): full blocks of R rows, then the
+// remaining rows one at a time, prefetching as `pf` says.
 template <class W, int MB>
 void rows_range(const typename W::T* w, int64_t ldw, const float* x, int64_t ldx, int64_t K, float* y,
-                int64_t ldy, int64_t n0, int64_t n1, int64_t pf_end) {
+                int64_t ldy, int64_t n0, int64_t n1, Prefetch pf) {
 #if defined(__AVX512F__) || defined(__AVX2__)
   constexpr int R = rows_for<MB>();
   // K in chunks whose activation rows stay in L1 (MB x KC floats of 16 KiB) when they would not
   const int64_t KC =
       MB * K * 4 > (24 << 10) ? std::max<int64_t>(kLanes, ((16 << 10) / (4 * MB)) & ~(kLanes - 1)) : K;
+  const int64_t blocks = std::max<int64_t>(1, (n1 - n0) / R);
+  const int64_t per_block = pf.ahead ? R : (pf.end - pf.from + blocks - 1) / blocks;
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
     const bool add = k0 > 0;
     int64_t n = n0;
-    for (; n + R <= n1; n += R) {
-      const typename W::T* next = n + (kAhead + 1) * R <= pf_end ? w + (n + kAhead * R) * ldw + k0 : nullptr;
-      block<W, R, MB>(w + n * ldw + k0, ldw, x + k0, ldx, kc, y + n, ldy, next, add);
+    for (int64_t j = 0; n + R <= n1; n += R, ++j) {
+      const int64_t row = pf.ahead ? n + kAhead * R : pf.from + j * per_block;
+      const int64_t rows = std::min(per_block, pf.end - row);
+      const typename W::T* next = rows > 0 && (!pf.ahead || rows == R) ? w + row * ldw + k0 : nullptr;
+      block<W, R, MB>(w + n * ldw + k0, ldw, x + k0, ldx, kc, y + n, ldy, next, rows, add);
     }
-    for (; n < n1; ++n) block<W, 1, MB>(w + n * ldw + k0, ldw, x + k0, ldx, kc, y + n, ldy, nullptr, add);
+    for (; n < n1; ++n) block<W, 1, MB>(w + n * ldw + k0, ldw, x + k0, ldx, kc, y + n, ldy, nullptr, 0, add);
   }
 #else
   for (int64_t n = n0; n < n1; ++n)
@@ -226,7 +239,7 @@ void rows_range(const typename W::T* w, int64_t ldw, const float* x, int64_t ldx
 
 template <class W>
 using RangeFn = void (*)(const typename W::T*, int64_t, const float*, int64_t, int64_t, float*, int64_t, int64_t,
-                         int64_t, int64_t);
+                         int64_t, Prefetch);
 
 template <class W>
 RangeFn<W> range_fn(int64_t mb) {
@@ -236,21 +249,36 @@ RangeFn<W> range_fn(int64_t mb) {
   return table[mb - 1];
 }
 
+// Groups of activation rows from which the later groups prefetch the next tile (fewer: the first group's
+// own prefetches, as for the first tile)
+constexpr int64_t kSpreadFromGroups = 4;
+
 // y [M, N] (row stride N) = x [M, K] (row stride ldx) @ w [N, K]^T (row stride ldw), M, N, K > 0.
 template <class W>
 void product(const float* x, int64_t ldx, const typename W::T* w, int64_t ldw, int64_t M, int64_t N, int64_t K,
              float* y) {
   const int64_t grain =
       std::max<int64_t>(16, kMinBytesPerThread / (static_cast<int64_t>(sizeof(typename W::T)) * K));
+  const int64_t groups = (M + kMaxRows - 1) / kMaxRows;
+  const bool spread = groups >= kSpreadFromGroups;
   pool::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     // one group of rows streams the whole range; more groups take it a tile at a time, the tile's weight
     // rows read from memory by the first group and from cache by the others
-    const int64_t tile = M <= kMaxRows ? n1 - n0 : kTile;
+    const int64_t tile = groups == 1 ? n1 - n0 : kTile;
     for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(t0 + tile, n1);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const int64_t mb = std::min(kMaxRows, M - m0);
-        range_fn<W>(mb)(w, ldw, x + m0 * ldx, ldx, K, y + m0 * N, N, t0, t1, m0 == 0 && M > 1 ? n1 : 0);
+      const int64_t t1 = std::min(t0 + tile, n1), next_end = std::min(t1 + tile, n1);
+      const int64_t share = groups == 1 ? 0 : (next_end - t1 + groups - 2) / (groups - 1);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t m0 = g * kMaxRows, mb = std::min(kMaxRows, M - m0);
+        Prefetch pf;
+        if (g == 0) {
+          pf.ahead = M > 1;
+          pf.end = !spread ? n1 : t0 == n0 ? t1 : 0;
+        } else if (spread) {
+          pf.from = std::min(t1 + (g - 1) * share, next_end);
+          pf.end = std::min(pf.from + share, next_end);
+        }
+        range_fn<W>(mb)(w, ldw, x + m0 * ldx, ldx, K, y + m0 * N, N, t0, t1, pf);
       }
     }
   });
