@@ -270,11 +270,11 @@ void product(const float* x, int64_t ldx, const typename W::T* w, int64_t ldw, i
       const int64_t share = groups == 1 ? 0 : (next_end - t1 + groups - 2) / (groups - 1);
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t m0 = g * kMaxRows, mb = std::min(kMaxRows, M - m0);
-        Prefetch pf;
-        if (g == 0) {
-          pf.ahead = M > 1;
+        Prefetch pf;  // none for a single row: its loop is bound by memory, the hardware prefetcher leads
+        if (g == 0 && M > 1) {
+          pf.ahead = true;
           pf.end = !spread ? n1 : t0 == n0 ? t1 : 0;
-        } else if (spread) {
+        } else if (g > 0 && spread) {
           pf.from = std::min(t1 + (g - 1) * share, next_end);
           pf.end = std::min(pf.from + share, next_end);
         }
