@@ -1,15 +1,17 @@
-// Few-row products y = x @ w^T for x [M, K] float32 (M = 1..16 activation rows) and w [N, K] row-major,
-// streaming w once, for weights of three element kinds (`W`): float32 (rows_f32.cpp), and float16 or
-// bfloat16 widened to float32 in registers as they are loaded (half_routes.h; F16C's vcvtph2ps, a bfloat16
-// is the high half of its float32). Sums are float32; only their order differs from x @ w^T in float32.
+// Few-row products y = x @ w^T for x [M, K] float32 (M activation rows: a few sequences' tokens, up to the
+// C++ steps' 64) and w [N, K] row-major, streaming w once, for weights of three element kinds (`W`): float32
+// (rows_f32.cpp), and float16 or bfloat16 widened to float32 in registers as they are loaded (half_routes.h;
+// F16C's vcvtph2ps, a bfloat16 is the high half of its float32). Sums are float32; only their order differs
+// from x @ w^T in float32.
 //
 // A block of R output rows (R weight rows) meets every activation row: R x MB accumulators (MB <= 8 rows
 // at a time) sit in registers, inner products run along K 16 (AVX-512) or 8 (AVX2) values at a time, the
 // horizontal sums come once at the end of the block. The block's weight rows are read from memory once;
 // a second group of activation rows (M > 8) reads them again from cache. The next block is prefetched
-// while this one is multiplied. Output row blocks are shared between threads (at::parallel_for), each
-// thread with at least kMinBytesPerThread of weights (a second thread on a busy machine costs more than a
-// small product saves). Without AVX2 (-march=x86-64-v2): a scalar loop, the same values.
+// while this one is multiplied; from 32 rows the later groups prefetch the next tile instead (Prefetch).
+// Output row blocks are shared between rsmem's workers (pool::parallel_for), each thread with at least
+// kMinBytesPerThread of weights (a second thread on a busy machine costs more than a small product saves).
+// Without AVX2 (-march=x86-64-v2): a scalar loop, the same values.
 #pragma once
 
 #include <ATen/ATen.h>
