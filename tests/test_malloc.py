@@ -13,12 +13,16 @@ import pytest
 # Four 3 MiB blocks written and freed, 20 times over, counting minor page faults. With glibc's defaults the
 # first free raises the mmap threshold to 3 MiB and the trim threshold to twice that, so the 12 MiB freed
 # at the heap's top goes back to the system every round and the next round faults every page in again.
-ROUNDS = r"""
+# what both scripts run after: rsmem imported (its malloc policy applied) and libc's malloc and free
+LIBC = r"""
 import ctypes, json, resource, sys
 import rsmem, rsmem.malloc
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
+"""
+
+ROUNDS = r"""
 SIZE = 3 << 20
 def round_():
     blocks = [libc.malloc(SIZE) for _ in range(4)]
@@ -40,7 +44,7 @@ def rounds(**env: str) -> dict[str, object]:
         k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "RSMEM_MALLOC"))
     }
     out = subprocess.run(
-        [sys.executable, "-c", ROUNDS],
+        [sys.executable, "-c", LIBC + ROUNDS],
         env=clean | env,
         capture_output=True,
         text=True,
@@ -74,11 +78,6 @@ def test_the_users_own_malloc_tuning_is_left_alone(variable: str):
 # Twenty 8 MiB blocks from the heap (under the kept mmap threshold) written, one more kept at the heap's top,
 # the twenty freed: they stay resident until release_freed hands their pages back.
 RELEASE = r"""
-import ctypes, json
-import rsmem, rsmem.malloc
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
 SIZE = 8 << 20
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -96,7 +95,7 @@ print(json.dumps({"released": released, "dropped": freed - resident(), "freed": 
 
 def test_release_freed_hands_freed_heap_pages_back():
     out = subprocess.run(
-        [sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", LIBC + RELEASE], capture_output=True, text=True, timeout=120, check=True
     )
     got = json.loads(out.stdout)
     assert got["released"] is True
