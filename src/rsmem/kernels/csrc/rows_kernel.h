@@ -141,8 +141,8 @@ struct BF16W {
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 // y[m, n0 + r] for r < R, m < MB: the weight rows w + (n0 + r) * ldw against the activation rows x + m * ldx.
-// `next` (pf_rows rows of a later block, or null) is prefetched into L2 as this block goes: into L1, or just the
-// next block, gains nothing here; kAhead blocks ahead into L2 lets the loads overlap the multiply-adds
+// `next` (pf_rows rows of a later block, or null) is prefetched into L2 as this block goes: into L1, or just
+// the next block, gains nothing here; kAhead blocks ahead into L2 lets the loads overlap the multiply-adds
 // (float32, 8 rows of [65536, 768], one thread: 9.0 -> 14.3 GB/s). One cache line a row every 64 bytes.
 // A single activation row is left to the hardware prefetcher: its loop is bound by memory, not by the
 // multiply-adds, and the prefetches only add loads (an AVX-512 AMD EPYC, 32 MiB L3, [3072, 768] float32,
@@ -150,7 +150,8 @@ struct BF16W {
 // 26.0 GB/s with them, 12.5 without; 2 rows about even, 4 rows 7% better with them).
 template <class W, int R, int MB>
 inline void block(const typename W::T* __restrict w, int64_t ldw, const float* __restrict x, int64_t ldx,
-                  int64_t K, float* __restrict y, int64_t ldy, const typename W::T* next, int64_t pf_rows, bool add) {
+                  int64_t K, float* __restrict y, int64_t ldy, const typename W::T* next, int64_t pf_rows,
+                  bool add) {
   constexpr int64_t kLine = 64 / sizeof(typename W::T);  // elements a cache line
   vec acc[R][MB];
   for (int r = 0; r < R; ++r)
@@ -158,7 +159,8 @@ inline void block(const typename W::T* __restrict w, int64_t ldw, const float* _
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     if (next != nullptr && (k & (kLine - 1)) == 0)
-      for (int64_t r = 0; r < pf_rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * ldw + k), _MM_HINT_T1);
+      for (int64_t r = 0; r < pf_rows; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * ldw + k), _MM_HINT_T1);
     vec wv[R];
     for (int r = 0; r < R; ++r) wv[r] = W::load(w + r * ldw + k);
     for (int m = 0; m < MB; ++m) {

@@ -141,8 +141,8 @@ inline void check_lora(const char* op, const at::Tensor& t, int64_t rows, int64_
 }
 
 // y [M, N] (row stride N) = x [M, K] (row stride ldx) @ w [N, K]^T (contiguous) for a small K (a low-rank
-// matrix's second factor, K = 32-64): w transposed into [K, N], then each output row a sum of K scaled rows
-// of that, four rows and 64 outputs at a time in registers. The few-row kernel does one horizontal sum an
+// matrix's second factor, K <= kLowRankMaxK): w transposed into [K, N], then each output row a sum of K
+// scaled rows of that, four rows and 64 outputs at a time in registers. The few-row kernel does one horizontal sum an
 // output, which at K = 32 costs more than its multiply-adds.
 inline void low_rank_rows(const float* __restrict x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& w,
                           float* __restrict y) {

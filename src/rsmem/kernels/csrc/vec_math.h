@@ -1,7 +1,7 @@
 // Vectorised row math shared by the kernels: exp16, exp(x) for 16 floats (AVX-512), a Cephes-style
-// polynomial, ~1 ulp over the float range (clamped to [-87.3, 88.3]), and sigmoid16; gate_row, the gated norm's pass over a
-// row (gated_norm.cpp, the decode steps); update_row, one row of Mamba-2's state update (ssd_scan.cpp,
-// mamba2_step.cpp).
+// polynomial, ~1 ulp over the float range (clamped to [-87.3, 88.3]), and sigmoid16; gate_row, the gated
+// norm's pass over a row (gated_norm.cpp, the decode steps); update_row, one row of Mamba-2's state update
+// (ssd_scan.cpp, mamba2_step.cpp).
 #pragma once
 
 #include <cmath>
