@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Sequence
+from typing import TypeVar, cast
 
 import torch
 
@@ -26,6 +27,8 @@ from rsmem import settings
 ALIGN = 64  # bytes between matrices in the arena: a cache line, what vector loads like
 HUGE_PAGE = 2 << 20
 MIN_BYTES = 16 << 20  # below this the copies are not worth it (and the small default model stays as it is)
+
+T = TypeVar("T")
 
 
 def _enabled() -> bool:
@@ -66,6 +69,41 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for dst, t in zip(copies, tensors, strict=True):
         dst.copy_(t)
     return copies
+
+
+def huge_page_matrices(items: Sequence[T]) -> list[T]:
+    """``items`` (a model's matrices) with every float32 CPU tensor that is contiguous, or the transposed
+    view of a contiguous one, replaced by a copy of the same layout in one huge-page mapping
+    (:func:`huge_page_copies`); anything else (None, quantized blocks, other dtypes or layouts) passes
+    through. Views of one matrix (a tied head ``[in, out]`` beside its embedding ``[out, in]``) stay views
+    of one copy. Where nothing is copied (small sets, no platform support) the items come back as they are."""
+    bases: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # (address, shape) of a contiguous base
+    for t in items:
+        if (base := _contiguous_base(t)) is not None:
+            bases.setdefault((base.data_ptr(), tuple(base.shape)), base)
+    originals = list(bases.values())
+    copies = huge_page_copies(originals)
+    if copies is originals:
+        return list(items)
+    copy_of = dict(zip(bases, copies, strict=True))
+    moved: list[T] = []
+    for t in items:
+        base = _contiguous_base(t)
+        if base is None:
+            moved.append(t)
+            continue
+        copy = copy_of[(base.data_ptr(), tuple(base.shape))]
+        moved.append(cast(T, copy if base is t else copy.t()))
+    return moved
+
+
+def _contiguous_base(t: object) -> torch.Tensor | None:
+    """The contiguous float32 CPU tensor ``t`` is or is the transposed view of, else None."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device.type != "cpu":
+        return None
+    if t.is_contiguous():
+        return t
+    return t.t() if t.dim() == 2 and t.t().is_contiguous() else None
 
 
 def huge_page_zeros(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:

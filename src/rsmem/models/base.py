@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from rsmem.batch.batch import Batch, UBatch
-from rsmem.hugepages import huge_page_copies
+from rsmem.hugepages import huge_page_matrices
 from rsmem.models.compiled import ONE_THREAD_GLUE, CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import CapturePoints, output_rows
 from rsmem.models.ops.fused import RowsOperand, token_step, token_step_many
 from rsmem.models.ops.native_step import NativeStep
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
-from rsmem.models.ops.quantized import Matrix, QuantMatrix, as_float32, embed, same_storage
+from rsmem.models.ops.quantized import Matrix, QuantMatrix, as_float32, embed
 from rsmem.models.ops.small_rows import SmallRows, many_operand, one_operand
 from rsmem.models.protocol import StateAccess
 
@@ -104,23 +104,15 @@ class MambaFamilyModel:
         self.set_compile(compile)
 
     def _to_huge_pages(self) -> None:
-        """Move the embedding, the head and every matrix onto huge pages (see :mod:`rsmem.hugepages`): a
-        one-sequence decode step reads them all from memory. A tied head stays a view of the embedding."""
-        head_is_embedding = same_storage(self.lm_head, self.embedding)
-        slots: list[tuple[Any, str]] = [(self, "embedding")]
-        if not head_is_embedding:
-            slots.append((self, "lm_head"))
+        """Move the embedding, the head and every float32 matrix onto huge pages
+        (:func:`~rsmem.hugepages.huge_page_matrices`: a one-sequence decode step reads them all from
+        memory). A tied head stays a view of the embedding; quantized matrices stay where the loader put
+        them (their blocks are a fraction of the bytes)."""
+        slots = [(self, "embedding"), (self, "lm_head")]
         slots += [(layer, name) for layer in self.layers for name in self.matrices]
-        # quantized matrices stay where the loader put them (their blocks are a fraction of the bytes)
-        slots = [(owner, name) for owner, name in slots if isinstance(getattr(owner, name), torch.Tensor)]
-        held = [getattr(owner, name) for owner, name in slots]
-        # matrices held as transposed views are copied as the contiguous tensor they view
-        flipped = [t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous() for t in held]
-        copies = huge_page_copies([t.t() if f else t for t, f in zip(held, flipped, strict=True)])
-        for (owner, name), f, copy in zip(slots, flipped, copies, strict=True):
-            setattr(owner, name, copy.t() if f else copy)
-        if head_is_embedding and isinstance(self.embedding, torch.Tensor):
-            self.lm_head = self.embedding.t()
+        moved = huge_page_matrices([getattr(owner, name) for owner, name in slots])
+        for (owner, name), tensor in zip(slots, moved, strict=True):
+            setattr(owner, name, tensor)
 
     def set_compile(self, setting: CompileSetting) -> bool:
         """Whether one-token steps run through ``torch.compile`` (see :mod:`rsmem.models.compiled`):

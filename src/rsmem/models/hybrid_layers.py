@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from rsmem.batch.batch import UBatch
-from rsmem.hugepages import huge_page_copies
+from rsmem.hugepages import huge_page_matrices
 from rsmem.models.ops import small_rows
 from rsmem.models.ops.fused import RowsOperand, matmul_rows
 from rsmem.models.ops.norm import rms_norm
@@ -68,7 +68,7 @@ def hold_all(held: HeldMatrices, weights: Sequence[torch.Tensor]) -> list[torch.
     transparent huge pages, one arena for all (:mod:`rsmem.hugepages`: a one-sequence decode step streams
     every matrix, 5-7% faster from 2 MiB pages), as the Mamba models hold theirs."""
     if held.dtype == torch.float32 and held.packing:
-        weights = huge_page_copies([w.to(torch.float32).contiguous() for w in weights])
+        weights = huge_page_matrices([w.to(torch.float32).contiguous() for w in weights])
     return [held.hold(w) for w in weights]
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
-from rsmem.hugepages import huge_page_copies
+from rsmem.hugepages import huge_page_matrices
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.fused import RowsOperand
@@ -126,9 +126,14 @@ class RwkvModelBase:
         self.emb_norm, self.emb_norm_b = vector(weights.emb_norm), vector(weights.emb_norm_b)
         self.norm_f, self.norm_f_b = vector(weights.norm_f), vector(weights.norm_f_b)
         self.held = HeldMatrices(dtype)
-        moved = self._huge_page_matrices(weights)
-        self.lm_head = self.held.hold(moved.get(id(weights.lm_head), weights.lm_head))  # [in, out]
-        self.layers = [self._held_layer(ly, moved) for ly in weights.layers]
+        layered = [getattr(ly, name) for ly in weights.layers for name in self.matrices]
+        head, *matrices, self.embedding = self._on_huge_pages([weights.lm_head, *layered, self.embedding])
+        self.lm_head = self.held.hold(head)  # [in, out]
+        per_layer = len(self.matrices)
+        self.layers = [
+            self._held_layer(ly, matrices[il * per_layer : (il + 1) * per_layer])
+            for il, ly in enumerate(weights.layers)
+        ]
         matrices = [self.lm_head, *(getattr(ly, name) for ly in self.layers for name in self.matrices)]
         self._n_matrix_weights = sum(m.numel() for m in matrices)
         # the compiled step streams [out, in] rows: float32 matrices held as views of them (with packing)
@@ -140,32 +145,23 @@ class RwkvModelBase:
         self.wkv_intra: CompiledStep[tuple[torch.Tensor, ...]] | None = None
         self.set_compile(compile)
 
-    def _huge_page_matrices(self, weights: Any) -> dict[int, torch.Tensor]:
-        """The float32 head and layer matrices copied onto huge pages (:mod:`rsmem.hugepages`: a decode step
-        streams them all; the loader's copies sat on the heap's 4 KiB pages), by the id of the loader's
-        tensor; none when they are held as copies anyway (another dtype, or no oneDNN packing: see
-        :func:`~rsmem.models.ops.packed.held_matrix`); quantized ones stay where the loader put them."""
+    def _on_huge_pages(self, tensors: list[Any]) -> list[Any]:
+        """``tensors`` with the float32 ones on one huge-page mapping (:mod:`rsmem.hugepages`: a decode step
+        streams every matrix, and the loader's copies sat on the heap's 4 KiB pages); as they are when the
+        matrices are held as copies anyway (another dtype, or no oneDNN packing: see
+        :func:`~rsmem.models.ops.packed.held_matrix`)."""
         if self.dtype != torch.float32 or not self.held.packing:
-            return {}
-        layers = (getattr(ly, name) for ly in weights.layers for name in self.matrices)
-        candidates = [weights.lm_head, *layers]
-        found = [
-            t
-            for t in candidates
-            if isinstance(t, torch.Tensor)
-            and t.dtype == torch.float32
-            and t.is_contiguous()
-            and t is not weights.embedding
-        ]
-        return {id(t): c for t, c in zip(found, huge_page_copies(found), strict=True)}
+            return tensors
+        return huge_page_matrices(tensors)
 
-    def _held_layer(self, ly: Any, moved: dict[int, torch.Tensor]) -> Any:
-        """A copy of ``ly``: the matrices of :attr:`matrices` held ``[in, out]`` (:class:`HeldMatrices`),
-        every other tensor float32 (None stays None)."""
+    def _held_layer(self, ly: Any, matrices: list[Any]) -> Any:
+        """A copy of ``ly``: its matrices (``matrices``, in the order of :attr:`matrices`) held ``[in, out]``
+        (:class:`HeldMatrices`), every other tensor float32 (None stays None)."""
+        given = dict(zip(self.matrices, matrices, strict=True))
         fields = {
             name: None
-            if (t := getattr(ly, name)) is None
-            else self.held.hold(moved.get(id(t), t))
+            if (t := given.get(name, getattr(ly, name))) is None
+            else self.held.hold(t)
             if name in self.matrices
             else t.to(torch.float32).contiguous()
             for name in (f.name for f in dataclasses.fields(self.layer_cls))
