@@ -188,3 +188,75 @@ def test_info_shows_threads_and_wait_policy(capsys: pytest.CaptureFixture[str]) 
     model = rsmem.load_model(default_model_path(), n_threads=torch.get_num_threads())
     want = f"threads:         {threads.choose_threads(model)} (RSMEM_THREADS / -t, else by the model), "
     assert want + f"OpenMP wait policy: {threads.wait_policy()}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("text", "others"), [("0.52 0.31 0.20 3/120 4567\n", 2), ("0.0 0.0 0.0 1/80 99\n", 0), ("garbage", 0)]
+)
+def test_others_runnable_reads_the_loadavg_count(tmp_path, text: str, others: int) -> None:
+    path = tmp_path / "loadavg"
+    path.write_text(text)
+    assert threads.others_runnable(str(path)) == others
+    assert threads.others_runnable(str(tmp_path / "missing")) == 0
+
+
+@pytest.fixture
+def busy_neighbour(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The automatic count on sleeping threads, with another process's thread runnable (as loadavg says)."""
+    monkeypatch.setattr(threads, "_auto_count", True)
+    monkeypatch.setattr(threads, "_PASSIVE", True)
+    monkeypatch.setattr(threads, "others_runnable", lambda path=threads.LOADAVG: 1)
+    monkeypatch.delenv("RSMEM_BUSY_THREADS", raising=False)
+    torch.set_num_threads(threads.all_cores())
+    return monkeypatch
+
+
+def test_prompt_work_beside_a_busy_process_gets_twice_the_cores(busy_neighbour: pytest.MonkeyPatch) -> None:
+    cores = threads.all_cores()
+    with threads.prompt_threads(threads.PROMPT_TOKENS):
+        assert torch.get_num_threads() == 2 * cores
+    assert torch.get_num_threads() == cores
+    with pytest.raises(RuntimeError), threads.prompt_threads(512):
+        raise RuntimeError("a failing micro-batch")
+    assert torch.get_num_threads() == cores  # restored on errors too
+
+
+@pytest.mark.parametrize("case", ["decode", "quiet", "user count", "spinning", "turned off"])
+def test_prompt_threads_leave_the_count_alone(busy_neighbour: pytest.MonkeyPatch, case: str) -> None:
+    tokens = threads.PROMPT_TOKENS - 1 if case == "decode" else 512
+    if case == "quiet":
+        busy_neighbour.setattr(threads, "others_runnable", lambda path=threads.LOADAVG: 0)
+    elif case == "user count":
+        busy_neighbour.setattr(threads, "_auto_count", False)
+    elif case == "spinning":
+        busy_neighbour.setattr(threads, "_PASSIVE", False)
+    else:
+        busy_neighbour.setenv("RSMEM_BUSY_THREADS", "0")
+    with threads.prompt_threads(tokens):
+        assert torch.get_num_threads() == threads.all_cores()
+
+
+def test_a_prompt_runs_on_twice_the_cores_beside_a_busy_process(busy_neighbour: pytest.MonkeyPatch) -> None:
+    from rsmem import Batch, Context
+    from rsmem.models.mamba import MambaConfig
+    from rsmem.models.random_init import random_mamba
+
+    model = random_mamba(MambaConfig(d_model=32, n_layer=2, n_vocab=64, d_state=8, dt_rank=4), seed=2)
+    seen: list[int] = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return forward(*args, **kwargs)
+
+    busy_neighbour.setattr(model, "forward", spy)
+    ctx = Context(model, n_seq_max=2)
+    ctx.decode(Batch(list(range(40)), logits=[True] * 40))  # a prompt: 40 tokens of one sequence
+    busy_logits = ctx.logits.clone()
+    ctx.decode(Batch([3, 4], seq_ids=[[0], [1]], logits=[True, True]))  # a decode step
+    cores = threads.all_cores()
+    assert seen == [2 * cores, cores] and torch.get_num_threads() == cores
+    quiet = Context(model, n_seq_max=1)
+    busy_neighbour.setenv("RSMEM_BUSY_THREADS", "0")
+    quiet.decode(Batch(list(range(40)), logits=[True] * 40))
+    torch.testing.assert_close(busy_logits, quiet.logits, rtol=1e-6, atol=1e-6)

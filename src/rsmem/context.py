@@ -43,6 +43,7 @@ from rsmem.memory.protocol import MemoryBatch, SequenceMemory
 from rsmem.memory.recurrent import RecurrentMemory, StateShape
 from rsmem.memory.rollback import ScratchState
 from rsmem.models.protocol import RecurrentModel
+from rsmem.threads import prompt_threads
 
 
 class Context:
@@ -160,10 +161,11 @@ class Context:
                     mctx.apply()
                     ub = mctx.ubatch
                     plan = plan_ubatch(ub, capture) if capture else None
-                    for sub, ub_logits in self._forward(ub, mctx, plan, capture_codec, captured):
-                        rows = [output_row[sub.batch_index[i]] for i in sub.output_rows()]
-                        if rows:
-                            parts.append((rows, ub_logits))
+                    with prompt_threads(ub.n_seq_tokens):  # more threads beside a busy process
+                        for sub, ub_logits in self._forward(ub, mctx, plan, capture_codec, captured):
+                            rows = [output_row[sub.batch_index[i]] for i in sub.output_rows()]
+                            if rows:
+                                parts.append((rows, ub_logits))
                     if not mctx.next():
                         break
         except BaseException:

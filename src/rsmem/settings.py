@@ -97,6 +97,12 @@ def threads_setting() -> int | None:
     return n
 
 
+def busy_threads_enabled() -> bool:
+    """``RSMEM_BUSY_THREADS``: ``0`` keeps prompt work on the usual thread count beside busy processes
+    (:func:`rsmem.threads.prompt_threads`)."""
+    return os.environ.get("RSMEM_BUSY_THREADS", "1").strip() != "0"
+
+
 def spin_setting() -> int | None:
     """``RSMEM_SPIN_US``: microseconds rsmem's product workers spin (yielding the core to any other thread)
     for the next product before they sleep; 0 sleeps at once, a negative value hands the products to torch's

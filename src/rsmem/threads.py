@@ -24,6 +24,16 @@ process-wide (``torch.set_num_threads``): the last model loaded sets it. Choosin
 threads around a small product cost nothing measurable with sleeping threads -- but it belongs in the
 models' step code, and with sleeping threads no row measured here would have chosen one thread.
 
+**Prompts beside a busy process.** torch splits a prompt's products statically between its threads, so a
+parallel region ends with the thread that shares its core with the neighbour: with two threads on two
+cores and one busy process, the Mamba-2 130M f32 prefill kept 53% of its quiet speed, what one thread
+alone gets. While another process's thread is runnable (``/proc/loadavg``: read in ~10 us, one runnable
+entity on this machine quiet, two beside one busy process, in 99% of 2,000 samples) :func:`prompt_threads`
+gives a prompt's micro-batch twice the cores in threads, so each core holds two of rsmem's threads and
+the scheduler's fair share goes to rsmem twice: 611 against 569 tokens/s beside the busy process (3
+interleaved rounds), where four threads on a quiet machine would have cost 4% (998 against 1,044). Only
+with the automatic count and sleeping threads; ``RSMEM_BUSY_THREADS=0`` turns it off.
+
 **The decode products** do not use torch's threads: rsmem's own workers (``kernels/csrc/pool.h``) share
 them, waiting between products in a spin that yields the core to any other thread and is skipped after the
 process was preempted (``RSMEM_SPIN_US``; :func:`product_workers` says which policy is in force).
@@ -50,6 +60,11 @@ _PASSIVE = settings.openmp_waits_passively()
 SMALL_MODEL_WIDTH = 512
 
 _all_cores: int | None = None
+_auto_count = False  # whether use_threads chose the count itself (no threads=, -t or RSMEM_THREADS)
+
+# micro-batches with at least this many tokens a sequence are prompt work for prompt_threads
+PROMPT_TOKENS = 32
+LOADAVG = "/proc/loadavg"
 
 
 def restore_environment() -> None:
@@ -129,8 +144,10 @@ def use_threads(model: RecurrentModel, threads: int | None = None) -> int:
     """Set torch's intra-op thread count for ``model``'s work (:func:`choose_threads`); returns it."""
     import torch
 
+    global _auto_count
     all_cores()  # remember torch's default before the first change
     n = choose_threads(model, threads)
+    _auto_count = threads is None and settings.threads_setting() is None
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
@@ -148,6 +165,39 @@ def one_thread_below(work: int, limit: int) -> Iterator[None]:
         yield
         return
     torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def others_runnable(path: str = LOADAVG) -> int:
+    """Runnable threads on the machine besides the calling one (``/proc/loadavg``'s fourth field counts the
+    runnable scheduling entities, the caller among them); 0 where the file cannot be read."""
+    try:
+        with open(path) as f:
+            return max(0, int(f.read().split()[3].split("/")[0]) - 1)
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+@contextmanager
+def prompt_threads(tokens_per_seq: int) -> Iterator[None]:
+    """torch's intra-op threads at twice the cores while the block runs, when it is prompt work
+    (``tokens_per_seq >= PROMPT_TOKENS``), another process's thread is runnable now, the count is
+    :func:`use_threads`' automatic one and OpenMP's idle threads sleep (see the module: each core then
+    holds two of rsmem's threads beside the neighbour). Restored after, also on errors."""
+    if tokens_per_seq < PROMPT_TOKENS or not (_auto_count and _PASSIVE and settings.busy_threads_enabled()):
+        yield
+        return
+    import torch  # not at import: this module runs before torch loads
+
+    threads = torch.get_num_threads()
+    busy = 2 * all_cores()
+    if threads != all_cores() or others_runnable() == 0:
+        yield
+        return
+    torch.set_num_threads(busy)
     try:
         yield
     finally:
