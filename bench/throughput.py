@@ -174,7 +174,9 @@ def matmul_flops_per_token(model) -> int:
 class RsmemRunner:
     """rsmem's side of each measurement, on one loaded model (compiled steps warm after the first)."""
 
-    def __init__(self, path: Path, n_prompt: int, steps: int, compile_setting: str, threads: int) -> None:
+    def __init__(
+        self, path: Path, n_prompt: int, steps: int, compile_setting: str, threads: int | None
+    ) -> None:
         self.model = rsmem.load_model(path, compile=compile_setting, n_threads=threads)
         self.resident = rsmem_resident(path)  # measured in a fresh process
         self.n_prompt, self.steps = n_prompt, steps
@@ -326,7 +328,7 @@ def measure_file(gguf_path: Path, args: argparse.Namespace, result: ArchResult) 
     """Measure every row ``args.rounds`` times on one GGUF file, rsmem and llama.cpp back to back (and,
     with ``--contention``, each again beside a busy process)."""
     runners: dict[str, RsmemRunner | LlamaWorker] = {
-        "rsmem": RsmemRunner(gguf_path, args.prompt, args.steps, args.compile, args.threads)
+        "rsmem": RsmemRunner(gguf_path, args.prompt, args.steps, args.compile, args.rsmem_threads)
     }
     for name, passive in LLAMA_POLICIES[args.llama_policy] if args.llama_python else ():
         try:
@@ -457,7 +459,14 @@ def main() -> None:
     EXTRA_ARCHS.update(load_extra_archs())
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=["mamba", "mamba2", "both", *EXTRA_ARCHS], default="both")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads of both programs (default: rsmem's automatic count, all cores, and as many for "
+        "llama.cpp; a count given here is rsmem's n_threads, which keeps prompts off "
+        "rsmem.threads.prompt_threads' extra threads beside a busy process)",
+    )
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per sequence count")
     ap.add_argument("--rounds", type=int, default=3, help="measurements of each row; medians are reported")
@@ -492,6 +501,8 @@ def main() -> None:
         "also quantized by llama.cpp's quantizer (rsmem's without --llama-python), measured the same way",
     )
     args = ap.parse_args()
+    args.rsmem_threads = args.threads  # None: rsmem chooses (rsmem.threads.use_threads)
+    args.threads = args.threads or rsmem.threads.all_cores()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     ceilings = {n: matmul_ceiling(n) for n in (*DECODE_SEQS, args.prompt)}
