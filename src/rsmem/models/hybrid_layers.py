@@ -65,8 +65,8 @@ class HybridStates(StateAccess, Protocol):
 
 def hold_all(held: HeldMatrices, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each ``[out, in]`` matrix of ``weights`` held by ``held``; float32 ones held as views of copies on
-    transparent huge pages, one arena for all (:mod:`rsmem.hugepages`: a one-sequence decode step streams
-    every matrix, 5-7% faster from 2 MiB pages), as the Mamba models hold theirs."""
+    transparent huge pages, one arena for all (:func:`rsmem.hugepages.huge_page_matrices`: a one-sequence
+    decode step streams every matrix, 5-7% faster from 2 MiB pages), as every other model holds its own."""
     if held.dtype == torch.float32 and held.packing:
         weights = huge_page_matrices([w.to(torch.float32).contiguous() for w in weights])
     return [held.hold(w) for w in weights]
