@@ -30,9 +30,10 @@ cores and one busy process, the Mamba-2 130M f32 prefill kept 53% of its quiet s
 alone gets. While another process's thread is runnable (``/proc/loadavg``: read in ~10 us, one runnable
 entity on this machine quiet, two beside one busy process, in 99% of 2,000 samples) :func:`prompt_threads`
 gives a prompt's micro-batch twice the cores in threads, so each core holds two of rsmem's threads and
-the scheduler's fair share goes to rsmem twice: 611 against 569 tokens/s beside the busy process (3
-interleaved rounds), where four threads on a quiet machine would have cost 4% (998 against 1,044). Only
-with the automatic count and sleeping threads; ``RSMEM_BUSY_THREADS=0`` turns it off.
+the scheduler's fair share goes to rsmem twice: 638 against 571 tokens/s beside the busy process (4
+interleaved rounds, a process each), where four threads all the time would have cost 4% on a quiet machine
+(998 against 1,044). Only with the automatic count and sleeping threads; ``RSMEM_BUSY_THREADS=0`` turns it
+off.
 
 **The decode products** do not use torch's threads: rsmem's own workers (``kernels/csrc/pool.h``) share
 them, waiting between products in a spin that yields the core to any other thread and is skipped after the
