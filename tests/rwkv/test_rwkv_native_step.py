@@ -17,7 +17,7 @@ import rsmem
 from rsmem import Batch, Context
 from rsmem.kernels.build import native_ops
 from rsmem.models.compiled import has_cxx_compiler
-from rsmem.models.ops.native_step import PACKED_FROM_ROWS, NativeStep
+from rsmem.models.ops.native_step import PACKED_FROM_ROWS, PACKED_HEAD_FROM_ROWS, NativeStep
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv"
 needs_cxx = pytest.mark.skipif(not has_cxx_compiler(), reason="the kernels need a C++ compiler")
@@ -124,10 +124,11 @@ def _step_operands(arch: str, n: int = 3):
 
 @needs_cxx
 @pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
-@pytest.mark.parametrize("n", [3, PACKED_FROM_ROWS + 3])
+@pytest.mark.parametrize("n", [3, PACKED_HEAD_FROM_ROWS, PACKED_FROM_ROWS + 3])
 def test_op_rows_match_the_twin(arch: str, n: int) -> None:
     """``n`` rows through the op at once against the compiled step's function, one row at a time (from
-    PACKED_FROM_ROWS rows the op takes the float32 matrices as their oneDNN packed twins)."""
+    PACKED_HEAD_FROM_ROWS rows the op takes the head as its oneDNN packed twin, from PACKED_FROM_ROWS every
+    float32 matrix)."""
     model, native, x, flat = _step_operands(arch, n)
     n_fields = native.n_fields
     mine = [t.clone() if i % n_fields >= n_fields - 2 else t for i, t in enumerate(flat)]

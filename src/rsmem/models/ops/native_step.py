@@ -53,6 +53,11 @@ FLOAT_QTYPES = (-1, PACKED_F32, int(gguf.GGMLQuantizationType.F16), int(gguf.GGM
 # rounds, few-row kernel / packed time: 0.78 at 24 rows, 0.82 at 32, 0.91 at 48, 0.98 at 64, 1.04 at 96
 # (at::mm on the plain matrix, which repacked the weights on every call, was slower than both).
 PACKED_FROM_ROWS = 65
+# ... and the head alone from this many (a [65536, 768] head by itself at 64 rows: 26.8 ms packed, 32.2
+# the few-row kernel; within the step, whose other products stay on rsmem's workers, oneDNN's threads
+# waking for it keep less: RWKV-7 step at 64 rows 0.980 and 0.986 of the time with the kernel's head (20
+# and 40 interleaved rounds), RWKV-6 0.980; at 48 rows 1.006, at 32 1.009)
+PACKED_HEAD_FROM_ROWS = 64
 
 
 def native_matrix(matrix: Any, packed: bool = False) -> tuple[torch.Tensor, int] | None:
@@ -187,7 +192,10 @@ class NativeStep:
     def _run(
         self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, flat: Sequence[Any]
     ) -> torch.Tensor:
-        layers, qtypes, head_w, head_q = self._operands(head, flat, x.shape[0] >= PACKED_FROM_ROWS)
+        rows = x.shape[0]
+        layers, qtypes, head_w, head_q = self._operands(head, flat, rows >= PACKED_FROM_ROWS)
+        if PACKED_HEAD_FROM_ROWS <= rows < PACKED_FROM_ROWS and isinstance(head, SmallRows):
+            head_w, head_q = _taken(head, True)  # its packed twin where it has one
         return getattr(self.ops(), self.op)(x, layers, qtypes, norm_f, head_w, head_q, *self.consts)
 
     def _compare(
