@@ -159,13 +159,21 @@ def one_thread_below(work: int, limit: int) -> Iterator[None]:
     """torch's intra-op threads set to one while the block runs when ``work < limit`` (a process-wide
     setting, restored after; 0.1-0.2 us a call): for small operations that a parallel region would hand to a
     sleeping partner thread for nothing. ``one_thread_below(0, 1)``: always."""
+    with _threads_while(1 if work < limit else None):
+        yield
+
+
+@contextmanager
+def _threads_while(n: int | None) -> Iterator[None]:
+    """torch's intra-op thread count at ``n`` while the block runs, restored after (also on errors); None or
+    the count in force: nothing changes."""
     import torch  # not at import: this module runs before torch loads
 
     threads = torch.get_num_threads()
-    if work >= limit or threads == 1:
+    if n is None or n == threads:
         yield
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
         yield
     finally:
@@ -188,18 +196,11 @@ def prompt_threads(tokens_per_seq: int) -> Iterator[None]:
     (``tokens_per_seq >= PROMPT_TOKENS``), another process's thread is runnable now, the count is
     :func:`use_threads`' automatic one and OpenMP's idle threads sleep (see the module: each core then
     holds two of rsmem's threads beside the neighbour). Restored after, also on errors."""
-    if tokens_per_seq < PROMPT_TOKENS or not (_auto_count and _PASSIVE and settings.busy_threads_enabled()):
-        yield
-        return
-    import torch  # not at import: this module runs before torch loads
+    busy = None
+    if tokens_per_seq >= PROMPT_TOKENS and _auto_count and _PASSIVE and settings.busy_threads_enabled():
+        import torch  # not at import: this module runs before torch loads
 
-    threads = torch.get_num_threads()
-    busy = 2 * all_cores()
-    if threads != all_cores() or others_runnable() == 0:
+        if torch.get_num_threads() == all_cores() and others_runnable() > 0:
+            busy = 2 * all_cores()
+    with _threads_while(busy):
         yield
-        return
-    torch.set_num_threads(busy)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
