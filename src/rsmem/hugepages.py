@@ -77,24 +77,18 @@ def huge_page_matrices(items: Sequence[T]) -> list[T]:
     (:func:`huge_page_copies`); anything else (None, quantized blocks, other dtypes or layouts) passes
     through. Views of one matrix (a tied head ``[in, out]`` beside its embedding ``[out, in]``) stay views
     of one copy. Where nothing is copied (small sets, no platform support) the items come back as they are."""
-    bases: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # (address, shape) of a contiguous base
-    for t in items:
-        if (base := _contiguous_base(t)) is not None:
-            bases.setdefault((base.data_ptr(), tuple(base.shape)), base)
+    found = [_contiguous_base(t) for t in items]
+    keys = [None if b is None else (b.data_ptr(), tuple(b.shape)) for b in found]  # one copy a base
+    bases = {key: b for key, b in zip(keys, found, strict=True) if key is not None and b is not None}
     originals = list(bases.values())
     copies = huge_page_copies(originals)
     if copies is originals:
         return list(items)
     copy_of = dict(zip(bases, copies, strict=True))
-    moved: list[T] = []
-    for t in items:
-        base = _contiguous_base(t)
-        if base is None:
-            moved.append(t)
-            continue
-        copy = copy_of[(base.data_ptr(), tuple(base.shape))]
-        moved.append(cast(T, copy if base is t else copy.t()))
-    return moved
+    return [
+        t if key is None else cast(T, copy_of[key] if base is t else copy_of[key].t())
+        for t, base, key in zip(items, found, keys, strict=True)
+    ]
 
 
 def _contiguous_base(t: object) -> torch.Tensor | None:

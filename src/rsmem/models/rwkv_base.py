@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
-from rsmem.hugepages import huge_page_matrices
 from rsmem.models.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.fused import RowsOperand
@@ -127,7 +126,8 @@ class RwkvModelBase:
         self.norm_f, self.norm_f_b = vector(weights.norm_f), vector(weights.norm_f_b)
         self.held = HeldMatrices(dtype)
         layered = [getattr(ly, name) for ly in weights.layers for name in self.matrices]
-        head, *matrices, self.embedding = self._on_huge_pages([weights.lm_head, *layered, self.embedding])
+        # on huge pages where held as they are (the loader's copies sat on the heap's 4 KiB pages)
+        head, *matrices, self.embedding = self.held.on_huge_pages([weights.lm_head, *layered, self.embedding])
         self.lm_head = self.held.hold(head)  # [in, out]
         per_layer = len(self.matrices)
         self.layers = [
@@ -144,15 +144,6 @@ class RwkvModelBase:
         # the WKV kernel's within-chunk part compiled for prefill (made with the compiled steps)
         self.wkv_intra: CompiledStep[tuple[torch.Tensor, ...]] | None = None
         self.set_compile(compile)
-
-    def _on_huge_pages(self, tensors: list[Any]) -> list[Any]:
-        """``tensors`` with the float32 ones on one huge-page mapping (:mod:`rsmem.hugepages`: a decode step
-        streams every matrix, and the loader's copies sat on the heap's 4 KiB pages); as they are when the
-        matrices are held as copies anyway (another dtype, or no oneDNN packing: see
-        :func:`~rsmem.models.ops.packed.held_matrix`)."""
-        if self.dtype != torch.float32 or not self.held.packing:
-            return tensors
-        return huge_page_matrices(tensors)
 
     def _held_layer(self, ly: Any, matrices: list[Any]) -> Any:
         """A copy of ``ly``: its matrices (``matrices``, in the order of :attr:`matrices`) held ``[in, out]``

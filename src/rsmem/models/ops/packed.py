@@ -14,11 +14,13 @@ compiled reductions (:func:`rsmem.models.ops.fused.gemv`), faster still.
 
 from __future__ import annotations
 
-from typing import overload
+from collections.abc import Sequence
+from typing import Any, overload
 
 import torch
 
 from rsmem import settings
+from rsmem.hugepages import huge_page_matrices
 from rsmem.models.ops.common import linear, transposed
 from rsmem.models.ops.quantized import Matrix, QuantMatrix
 
@@ -106,6 +108,17 @@ class HeldMatrices:
         self.dtype = dtype
         self.packing = packing_enabled()
         self.packed = PackedMatrices()
+
+    def on_huge_pages(self, weights: Sequence[Any]) -> list[Any]:
+        """``weights`` (``[out, in]`` matrices, None or quantized ones among them) with the tensors widened to
+        float32 and put on one huge-page mapping (:func:`~rsmem.hugepages.huge_page_matrices`: a decode step
+        streams every matrix, 5-7% faster from 2 MiB pages) when :meth:`hold` keeps them as they are (float32
+        with packing: :func:`held_matrix`); as they are otherwise, where :meth:`hold` copies them anyway."""
+        if self.dtype != torch.float32 or not self.packing:
+            return list(weights)
+        return huge_page_matrices(
+            [w.to(torch.float32).contiguous() if isinstance(w, torch.Tensor) else w for w in weights]
+        )
 
     def hold(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` ``[out, in]`` as the ``[in, out]`` tensor :meth:`linear` takes."""
