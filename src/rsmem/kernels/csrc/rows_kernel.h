@@ -9,6 +9,7 @@
 // horizontal sums come once at the end of the block. The block's weight rows are read from memory once;
 // a second group of activation rows (M > 8) reads them again from cache. The next block is prefetched
 // while this one is multiplied; from 32 rows the later groups prefetch the next tile instead (Prefetch).
+// A single activation row reads the weight rows one after another instead (one_row).
 // Output row blocks are shared between rsmem's workers (pool::parallel_for), each thread with at least
 // kMinBytesPerThread of weights (a second thread on a busy machine costs more than a small product saves).
 // Without AVX2 (-march=x86-64-v2): a scalar loop, the same values.
@@ -53,12 +54,14 @@ constexpr int64_t kLanes = 16;
 using vec = __m512;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
 #elif defined(__AVX2__)
 constexpr int64_t kLanes = 8;
 using vec = __m256;
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline float vsum(vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -144,8 +147,8 @@ struct BF16W {
 // `next` (pf_rows rows of a later block, or null) is prefetched into L2 as this block goes: into L1, or just
 // the next block, gains nothing here; kAhead blocks ahead into L2 lets the loads overlap the multiply-adds
 // (float32, 8 rows of [65536, 768], one thread: 9.0 -> 14.3 GB/s). One cache line a row every 64 bytes.
-// A single activation row is left to the hardware prefetcher: its loop is bound by memory, not by the
-// multiply-adds, and the prefetches only add loads (an AVX-512 AMD EPYC, 32 MiB L3, [3072, 768] float32,
+// A single activation row (one_row) is left to the hardware prefetcher: its loop is bound by memory, not by
+// the multiply-adds, and the prefetches only add loads (an AVX-512 AMD EPYC, 32 MiB L3, [3072, 768] float32,
 // one thread: 31.5 -> 34.1 GB/s without them, a 130M model's one-sequence step 5% faster; 8 rows there:
 // 26.0 GB/s with them, 12.5 without; 2 rows about even, 4 rows 7% better with them).
 template <class W, int R, int MB>
@@ -184,6 +187,29 @@ inline void block(const typename W::T* __restrict w, int64_t ldw, const float* _
     for (int r = 0; r < R; ++r) y[m * ldy + r] = add ? y[m * ldy + r] + vsum(acc[r][m]) : vsum(acc[r][m]);
 }
 
+// y[n] for n in [n0, n1): one activation row against the weight rows one after another, four accumulators
+// a row. The weights are read as one stream, front to back, which the hardware prefetchers follow further
+// than the R streams a row apart that `block` reads (an AVX-512 AMD EPYC, 2 cores, [65536, 768] float32
+// read cold: one thread 20.0 against 15.4 GB/s, two 26.8-31.1 against 22.6-25.8, 8 interleaved rounds).
+template <class W>
+inline void one_row(const typename W::T* __restrict w, int64_t ldw, const float* __restrict x, int64_t K,
+                    float* __restrict y, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const typename W::T* wr = w + n * ldw;
+    vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    int64_t k = 0;
+    for (; k + 4 * kLanes <= K; k += 4 * kLanes) {
+      a0 = vfma(W::load(wr + k), F32W::load(x + k), a0);
+      a1 = vfma(W::load(wr + k + kLanes), F32W::load(x + k + kLanes), a1);
+      a2 = vfma(W::load(wr + k + 2 * kLanes), F32W::load(x + k + 2 * kLanes), a2);
+      a3 = vfma(W::load(wr + k + 3 * kLanes), F32W::load(x + k + 3 * kLanes), a3);
+    }
+    for (; k + kLanes <= K; k += kLanes) a0 = vfma(W::load(wr + k), F32W::load(x + k), a0);
+    if (k < K) a1 = vfma(W::tail(wr + k, K - k), F32W::tail(x + k, K - k), a1);
+    y[n] = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+  }
+}
+
 // Weight rows per block for MB activation rows: R x MB accumulators and R + 1 loads fit the registers
 // (32 with AVX-512, 16 with AVX2).
 template <int MB>
@@ -211,23 +237,28 @@ template <class W, int MB>
 void rows_range(const typename W::T* w, int64_t ldw, const float* x, int64_t ldx, int64_t K, float* y,
                 int64_t ldy, int64_t n0, int64_t n1, Prefetch pf) {
 #if defined(__AVX512F__) || defined(__AVX2__)
-  constexpr int R = rows_for<MB>();
-  // K in chunks whose activation rows stay in L1 (MB x KC floats of 16 KiB) when they would not
-  const int64_t KC =
-      MB * K * 4 > (24 << 10) ? std::max<int64_t>(kLanes, ((16 << 10) / (4 * MB)) & ~(kLanes - 1)) : K;
-  const int64_t blocks = std::max<int64_t>(1, (n1 - n0) / R);
-  const int64_t per_block = pf.ahead ? R : (pf.end - pf.from + blocks - 1) / blocks;
-  for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    const int64_t kc = std::min(KC, K - k0);
-    const bool add = k0 > 0;
-    int64_t n = n0;
-    for (int64_t j = 0; n + R <= n1; n += R, ++j) {
-      const int64_t row = pf.ahead ? n + kAhead * R : pf.from + j * per_block;
-      const int64_t rows = std::min(per_block, pf.end - row);
-      const typename W::T* next = rows > 0 && (!pf.ahead || rows == R) ? w + row * ldw + k0 : nullptr;
-      block<W, R, MB>(w + n * ldw + k0, ldw, x + k0, ldx, kc, y + n, ldy, next, rows, add);
+  if constexpr (MB == 1) {
+    (void)ldx, (void)ldy, (void)pf;
+    one_row<W>(w, ldw, x, K, y, n0, n1);
+  } else {
+    constexpr int R = rows_for<MB>();
+    // K in chunks whose activation rows stay in L1 (MB x KC floats of 16 KiB) when they would not
+    const int64_t KC =
+        MB * K * 4 > (24 << 10) ? std::max<int64_t>(kLanes, ((16 << 10) / (4 * MB)) & ~(kLanes - 1)) : K;
+    const int64_t blocks = std::max<int64_t>(1, (n1 - n0) / R);
+    const int64_t per_block = pf.ahead ? R : (pf.end - pf.from + blocks - 1) / blocks;
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kc = std::min(KC, K - k0);
+      const bool add = k0 > 0;
+      int64_t n = n0;
+      for (int64_t j = 0; n + R <= n1; n += R, ++j) {
+        const int64_t row = pf.ahead ? n + kAhead * R : pf.from + j * per_block;
+        const int64_t rows = std::min(per_block, pf.end - row);
+        const typename W::T* next = rows > 0 && (!pf.ahead || rows == R) ? w + row * ldw + k0 : nullptr;
+        block<W, R, MB>(w + n * ldw + k0, ldw, x + k0, ldx, kc, y + n, ldy, next, rows, add);
+      }
+      for (; n < n1; ++n) block<W, 1, MB>(w + n * ldw + k0, ldw, x + k0, ldx, kc, y + n, ldy, nullptr, 0, add);
     }
-    for (; n < n1; ++n) block<W, 1, MB>(w + n * ldw + k0, ldw, x + k0, ldx, kc, y + n, ldy, nullptr, 0, add);
   }
 #else
   for (int64_t n = n0; n < n1; ++n)
