@@ -197,7 +197,10 @@ def test_warm_up_compiles_every_variant_without_touching_state() -> None:
 @needs_cxx
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_no_recompiles_after_warm_up(arch: str) -> None:
-    """Prompt lengths and batch widths vary in a server: after warm_up nothing may compile again."""
+    """Prompt lengths and batch widths vary in a server: after warm_up nothing may compile again. Dynamo's
+    compilations are kept per function, across models: the process starts afresh, as a server's would
+    (earlier tests' models of other shapes left entries that this model's calls can miss)."""
+    torch._dynamo.reset()
     model = _model(arch)
     model.set_compile(True)
     model.warm_up()

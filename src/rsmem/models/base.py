@@ -174,11 +174,15 @@ class MambaFamilyModel:
 
     @torch.inference_mode()  # as Context.decode runs it: dynamo's guards include the grad mode
     def _warm_batched_step(self) -> None:
-        """One call of the compiled batched step on scratch states of two sequences."""
+        """One call of the compiled batched step on scratch states of two sequences. They are made as the
+        memory's are, outside inference mode: dynamo guards on a tensor's dispatch keys, and inference
+        tensors as states made the first step of more than ``MAX_ROWS`` sequences compile it again."""
         step, head, weights = self._step_args[True]
-        scratch = [
-            self.state_views(torch.zeros(2, self.n_embd_r), torch.zeros(2, self.n_embd_s), 2) for _ in weights
-        ]
+        with torch.inference_mode(False):
+            scratch = [
+                self.state_views(torch.zeros(2, self.n_embd_r), torch.zeros(2, self.n_embd_s), 2)
+                for _ in weights
+            ]
         flat = [t for w, v in zip(weights, scratch, strict=True) for t in (*w, *v)]
         step(
             embed(self.embedding, torch.ones(2, dtype=torch.long)), self.norm_f, head, self.config.eps, *flat
