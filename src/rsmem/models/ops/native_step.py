@@ -125,8 +125,10 @@ class NativeStep:
         self.span = span
         self.failed: BaseException | str | None = None
         self._checked = False
-        # (packed, ids of the weights) -> the op's weight operands, one entry for each form
-        self._cache: dict[bool, tuple[tuple[int, ...], list[torch.Tensor], list[int], torch.Tensor, int]] = {}
+        # (layers packed, head packed) -> (ids of the weights, the op's weight operands), one entry a form
+        self._cache: dict[
+            tuple[bool, bool], tuple[tuple[int, ...], list[torch.Tensor], list[int], torch.Tensor, int]
+        ] = {}
         # the weights (head first) whose every matrix has a form the op takes: accepts' verdict, kept (the
         # objects themselves, so that their ids stay theirs) as the model's matrices do not change
         self._accepted: tuple[Any, ...] = ()
@@ -159,10 +161,10 @@ class NativeStep:
         return all(s.dtype == torch.float32 and s.is_contiguous() for s in states)
 
     def _build(
-        self, head: Any, flat: Sequence[Any], packed: bool = False
+        self, head: Any, flat: Sequence[Any], packed: bool = False, packed_head: bool | None = None
     ) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int]:
         """The op's layer tensors (matrices as :func:`native_matrix` gives them, ``packed`` or not) and
-        qtypes."""
+        qtypes, and the head (``packed_head`` or not; None: as the layers)."""
         tensors, qtypes = [], []
         for i, t in enumerate(flat):
             if i % self.n_fields in self.matrices:
@@ -171,18 +173,18 @@ class NativeStep:
                 qtypes.append(q)
             else:
                 tensors.append(t)
-        head_w, head_q = _taken(head, packed)
+        head_w, head_q = _taken(head, packed if packed_head is None else packed_head)
         return tensors, qtypes, head_w, head_q
 
     def _operands(
-        self, head: Any, flat: Sequence[Any], packed: bool
+        self, head: Any, flat: Sequence[Any], packed: bool, packed_head: bool
     ) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int]:
         """:meth:`_build`, the weights' part kept between calls (the model's matrices do not change), the
         states this call's."""
         key = tuple(id(t) for i, t in enumerate(flat) if i % self.n_fields < self.n_fields - 2)
-        cached = self._cache.get(packed)
+        cached = self._cache.get((packed, packed_head))
         if cached is None or cached[0] != key:
-            cached = self._cache[packed] = (key, *self._build(head, flat, packed))
+            cached = self._cache[packed, packed_head] = (key, *self._build(head, flat, packed, packed_head))
         _, tensors, qtypes, head_w, head_q = cached
         layers = list(tensors)
         for i in range(self.n_fields - 2, len(flat), self.n_fields):
@@ -192,10 +194,10 @@ class NativeStep:
     def _run(
         self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, flat: Sequence[Any]
     ) -> torch.Tensor:
-        rows = x.shape[0]
-        layers, qtypes, head_w, head_q = self._operands(head, flat, rows >= PACKED_FROM_ROWS)
-        if PACKED_HEAD_FROM_ROWS <= rows < PACKED_FROM_ROWS and isinstance(head, SmallRows):
-            head_w, head_q = _taken(head, True)  # its packed twin where it has one
+        rows = x.shape[0]  # the head as its packed twin (where it has one) from PACKED_HEAD_FROM_ROWS
+        layers, qtypes, head_w, head_q = self._operands(
+            head, flat, rows >= PACKED_FROM_ROWS, rows >= PACKED_HEAD_FROM_ROWS
+        )
         return getattr(self.ops(), self.op)(x, layers, qtypes, norm_f, head_w, head_q, *self.consts)
 
     def _compare(
