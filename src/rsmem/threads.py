@@ -33,7 +33,8 @@ gives a prompt's micro-batch twice the cores in threads, so each core holds two 
 the scheduler's fair share goes to rsmem twice: 638 against 571 tokens/s beside the busy process (4
 interleaved rounds, a process each), where four threads all the time would have cost 4% on a quiet machine
 (998 against 1,044). Only with the automatic count and sleeping threads; ``RSMEM_BUSY_THREADS=0`` turns it
-off.
+off. Compiled functions inside the block run at the count before the raise
+(:func:`unraised_threads`: dynamo guards on the count).
 
 **The decode products** do not use torch's threads: rsmem's own workers (``kernels/csrc/pool.h``) share
 them, waiting between products in a spin that yields the core to any other thread and is skipped after the
@@ -62,6 +63,7 @@ SMALL_MODEL_WIDTH = 512
 
 _all_cores: int | None = None
 _auto_count = False  # whether use_threads chose the count itself (no threads=, -t or RSMEM_THREADS)
+_raised_from: int | None = None  # the count prompt_threads raised torch's from, while it is raised
 
 # micro-batches with at least this many tokens a sequence are prompt work for prompt_threads
 PROMPT_TOKENS = 32
@@ -195,12 +197,33 @@ def prompt_threads(tokens_per_seq: int) -> Iterator[None]:
     """torch's intra-op threads at twice the cores while the block runs, when it is prompt work
     (``tokens_per_seq >= PROMPT_TOKENS``), another process's thread is runnable now, the count is
     :func:`use_threads`' automatic one and OpenMP's idle threads sleep (see the module: each core then
-    holds two of rsmem's threads beside the neighbour). Restored after, also on errors."""
+    holds two of rsmem's threads beside the neighbour). Restored after, also on errors. Compiled code
+    inside the block runs at the count before it (:func:`unraised_threads`)."""
+    global _raised_from
     busy = None
     if tokens_per_seq >= PROMPT_TOKENS and _auto_count and _PASSIVE and settings.busy_threads_enabled():
         import torch  # not at import: this module runs before torch loads
 
         if torch.get_num_threads() == all_cores() and others_runnable() > 0:
             busy = 2 * all_cores()
-    with _threads_while(busy):
+    if busy is None or _raised_from is not None:
+        yield
+        return
+    _raised_from = all_cores()
+    try:
+        with _threads_while(busy):
+            yield
+    finally:
+        _raised_from = None
+
+
+@contextmanager
+def unraised_threads() -> Iterator[None]:
+    """Inside :func:`prompt_threads`' raise, torch's thread count back at the count before it while the
+    block runs (elsewhere nothing changes). For compiled functions
+    (:class:`rsmem.models.compiled.CompiledStep`): inductor writes the thread count into its kernels and
+    dynamo guards every compilation on it, so a compiled prefill block (Mamba's scan, RWKV's chunk solves)
+    called at a raised count compiled again each time a busy neighbour came or went, up to the recompile
+    limit, and then ran eagerly."""
+    with _threads_while(_raised_from):
         yield

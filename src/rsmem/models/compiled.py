@@ -37,6 +37,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from rsmem import settings
+from rsmem.threads import unraised_threads
 
 # Models with fewer matrix weights than this decode eagerly under "auto" (the default model has ~2.5M).
 AUTO_MIN_WEIGHTS = 16 << 20
@@ -158,7 +159,8 @@ class CompiledStep(Generic[R]):
         if not self._dynamic:  # once compiled with a symbolic batch size, every later size matches it
             for i in self.batch_args:
                 torch._dynamo.mark_dynamic(args[i], 0)
-        out = self._compiled(*args)
+        with unraised_threads():  # dynamo guards on the thread count: a raised one would compile again
+            out = self._compiled(*args)
         self._dynamic = bool(self.batch_args)
         return out
 
