@@ -200,6 +200,17 @@ def test_others_runnable_reads_the_loadavg_count(tmp_path, text: str, others: in
     assert threads.others_runnable(str(tmp_path / "missing")) == 0
 
 
+@pytest.fixture
+def busy_neighbour(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The automatic count on sleeping threads, with another process's thread runnable (as loadavg says)."""
+    monkeypatch.setattr(threads, "_auto_count", True)
+    monkeypatch.setattr(threads, "_PASSIVE", True)
+    monkeypatch.setattr(threads, "others_runnable", lambda path=threads.LOADAVG: 1)
+    monkeypatch.delenv("RSMEM_BUSY_THREADS", raising=False)
+    torch.set_num_threads(threads.all_cores())
+    return monkeypatch
+
+
 def test_prompt_work_beside_a_busy_process_gets_twice_the_cores(busy_neighbour: pytest.MonkeyPatch) -> None:
     cores = threads.all_cores()
     with threads.prompt_threads(threads.PROMPT_TOKENS):

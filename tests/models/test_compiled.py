@@ -4,11 +4,15 @@ when compiling fails, and the auto policy."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 
 import rsmem
+from rsmem import context as context_module
 from rsmem import threads
 from rsmem.models import compiled
 from rsmem.models.compiled import (
@@ -20,13 +24,14 @@ from rsmem.models.compiled import (
 )
 from rsmem.models.mamba import MambaConfig
 from rsmem.models.mamba2 import Mamba2Config
-from rsmem.models.ops import fused, native_step
+from rsmem.models.ops import fused, native_step, wkv, wkv6
 from rsmem.models.ops.fused import SmallRows
 from rsmem.models.ops.packed import packing_enabled
 from rsmem.models.ops.small_rows import kernel_ops
 from rsmem.models.random_init import random_mamba, random_mamba2
 
 CPU = torch.device("cpu")
+RWKV_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv"
 needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
 
 
@@ -195,6 +200,34 @@ def test_warm_up_compiles_every_variant_without_touching_state() -> None:
     )
 
 
+@pytest.fixture
+def busy_neighbour(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The automatic thread count on sleeping threads, with another process's thread runnable (as
+    tests/test_threads.py's fixture of the same name)."""
+    monkeypatch.setattr(threads, "_auto_count", True)
+    monkeypatch.setattr(threads, "_PASSIVE", True)
+    monkeypatch.setattr(threads, "others_runnable", lambda path=threads.LOADAVG: 1)
+    monkeypatch.delenv("RSMEM_BUSY_THREADS", raising=False)
+    torch.set_num_threads(threads.all_cores())
+    return monkeypatch
+
+
+@pytest.fixture
+def prompt_thread_counts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The thread counts at which ``Context.decode``'s prompt_threads blocks ran, appended as they run."""
+    counts: list[int] = []
+    raise_threads = threads.prompt_threads
+
+    @contextmanager
+    def spy(tokens_per_seq: int) -> Iterator[None]:
+        with raise_threads(tokens_per_seq):
+            counts.append(torch.get_num_threads())
+            yield
+
+    monkeypatch.setattr(context_module, "prompt_threads", spy)
+    return counts
+
+
 @needs_cxx
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 @pytest.mark.usefixtures("busy_neighbour")
@@ -220,6 +253,32 @@ def test_no_recompiles_after_warm_up(arch: str, prompt_thread_counts: list[int])
         for width in (1, 2, 3, 5, wide):
             ctx.decode(rsmem.Batch([5] * width, seq_ids=[[s] for s in range(width)], logits=[True] * width))
     assert 2 * threads.all_cores() in prompt_thread_counts  # the 33-token prompts ran at the raised count
+
+
+@needs_cxx
+@pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
+def test_rwkv_compiled_prefill_does_not_compile_again_beside_a_busy_process(
+    arch: str, busy_neighbour: pytest.MonkeyPatch, prompt_thread_counts: list[int]
+) -> None:
+    """RWKV's compiled chunk solves (the chunked WKV kernel, where the C++ scan is not loaded) inside a
+    prompt at the raised thread count run at the count they were compiled at: a prompt after a quiet one
+    compiles nothing again, and its logits are the quiet prompt's."""
+    for module in (wkv, wkv6):  # the chunked kernel with compiled chunk solves, not the C++ scan
+        busy_neighbour.setattr(module, "scan_ops", lambda *tensors: None)
+    torch._dynamo.reset()
+    model = rsmem.load_model(RWKV_FIXTURES / arch / "model-f32.gguf", compile=True)
+    ctx = rsmem.Context(model, n_seq_max=2)
+    prompt = [(7 * i) % 299 + 1 for i in range(40)]
+    with busy_neighbour.context() as quiet:
+        quiet.setattr(threads, "others_runnable", lambda path=threads.LOADAVG: 0)
+        ctx.decode(rsmem.Batch(prompt, seq_ids=[[0]] * len(prompt)))  # compiles the chunk solves
+    first = ctx.get_logits(-1).clone()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        ctx.decode(rsmem.Batch(prompt, seq_ids=[[1]] * len(prompt)))
+    assert prompt_thread_counts == [threads.all_cores(), 2 * threads.all_cores()]
+    assert model.wkv_intra is not None and model.wkv_intra._checked and model.wkv_intra.failed is None
+    assert first.abs().max() > 0
+    torch.testing.assert_close(ctx.get_logits(-1), first, rtol=0, atol=1e-5)
 
 
 @needs_cxx

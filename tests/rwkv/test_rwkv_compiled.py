@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import rsmem
-from rsmem import Batch, Context, threads
+from rsmem import Batch, Context
 from rsmem.models.compiled import has_cxx_compiler
-from rsmem.models.ops import wkv, wkv6
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv"
 PROMPT = list(range(1, 12))
@@ -134,30 +133,3 @@ def test_compiled_prefill_matches_eager(arch: str) -> None:
         for a, b in zip(*rows, strict=True):
             assert a.abs().max() > 0
             assert (b - a).abs().max() <= 1e-5 * a.abs().max()  # WKV states reach ~10 here
-
-
-@pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")
-@pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
-def test_compiled_prefill_does_not_compile_again_beside_a_busy_process(
-    arch: str, busy_neighbour: pytest.MonkeyPatch, prompt_thread_counts: list[int]
-) -> None:
-    """A prompt of ``PROMPT_TOKENS`` or more beside a busy process runs at a raised thread count
-    (rsmem.threads.prompt_threads); the compiled chunk solves inside it run at the count they were compiled
-    at, so a prompt after a quiet one compiles nothing again (dynamo guards on the thread count), and its
-    logits are the quiet prompt's."""
-    for module in (wkv, wkv6):  # the chunked kernel with compiled chunk solves, not the C++ scan
-        busy_neighbour.setattr(module, "scan_ops", lambda *tensors: None)
-    torch._dynamo.reset()
-    model = rsmem.load_model(FIXTURES / arch / "model-f32.gguf", compile=True)
-    ctx = Context(model, n_seq_max=2)
-    prompt = [(7 * i) % 299 + 1 for i in range(40)]
-    with busy_neighbour.context() as quiet:
-        quiet.setattr(threads, "others_runnable", lambda path=threads.LOADAVG: 0)
-        ctx.decode(Batch(prompt, seq_ids=[[0]] * len(prompt)))  # compiles the chunk solves
-    first = ctx.get_logits(-1).clone()
-    with torch.compiler.set_stance("fail_on_recompile"):
-        ctx.decode(Batch(prompt, seq_ids=[[1]] * len(prompt)))
-    assert prompt_thread_counts == [threads.all_cores(), 2 * threads.all_cores()]
-    assert model.wkv_intra._checked and model.wkv_intra.failed is None
-    assert first.abs().max() > 0
-    torch.testing.assert_close(ctx.get_logits(-1), first, rtol=0, atol=1e-5)
