@@ -36,7 +36,7 @@ def operands(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 33, 70])  # 33, 70: the spread prefetch
-@pytest.mark.parametrize("n,k", [(768, 768), (53, 45), (40, 3072), (7, 16), (130, 1)])
+@pytest.mark.parametrize("n,k", [(768, 768), (53, 45), (40, 3072), (7, 16), (130, 1), (1, 48)])
 def test_matches_the_twin(m: int, n: int, k: int) -> None:
     ops = native()
     x, w = operands(m, n, k)

@@ -9,7 +9,7 @@
 // horizontal sums come once at the end of the block. The block's weight rows are read from memory once;
 // a second group of activation rows (M > 8) reads them again from cache. The next block is prefetched
 // while this one is multiplied; from 32 rows the later groups prefetch the next tile instead (Prefetch).
-// A single activation row reads the weight rows one after another instead (one_row).
+// A single activation row reads the weight rows as two streams instead, each row after the last (two_rows).
 // Output row blocks are shared between rsmem's workers (pool::parallel_for), each thread with at least
 // kMinBytesPerThread of weights (a second thread on a busy machine costs more than a small product saves).
 // Without AVX2 (-march=x86-64-v2): a scalar loop, the same values.
@@ -147,7 +147,7 @@ struct BF16W {
 // `next` (pf_rows rows of a later block, or null) is prefetched into L2 as this block goes: into L1, or just
 // the next block, gains nothing here; kAhead blocks ahead into L2 lets the loads overlap the multiply-adds
 // (float32, 8 rows of [65536, 768], one thread: 9.0 -> 14.3 GB/s). One cache line a row every 64 bytes.
-// A single activation row (one_row) is left to the hardware prefetcher: its loop is bound by memory, not by
+// A single activation row (two_rows) is left to the hardware prefetcher: its loop is bound by memory, not by
 // the multiply-adds, and the prefetches only add loads (an AVX-512 AMD EPYC, 32 MiB L3, [3072, 768] float32,
 // one thread: 31.5 -> 34.1 GB/s without them, a 130M model's one-sequence step 5% faster; 8 rows there:
 // 26.0 GB/s with them, 12.5 without; 2 rows about even, 4 rows 7% better with them).
@@ -187,27 +187,48 @@ inline void block(const typename W::T* __restrict w, int64_t ldw, const float* _
     for (int r = 0; r < R; ++r) y[m * ldy + r] = add ? y[m * ldy + r] + vsum(acc[r][m]) : vsum(acc[r][m]);
 }
 
-// y[n] for n in [n0, n1): one activation row against the weight rows one after another, four accumulators
-// a row. The weights are read as one stream, front to back, which the hardware prefetchers follow further
-// than the R streams a row apart that `block` reads (an AVX-512 AMD EPYC, 2 cores, [65536, 768] float32
-// read cold: one thread 20.0 against 15.4 GB/s, two 26.8-31.1 against 22.6-25.8, 8 interleaved rounds).
+// y[n] for n in [n0, n1): one activation row against two streams of weight rows, the range's first half and
+// its second half in step (a row of each at a time, two accumulators a row), the odd row last.
+// Two streams far apart kept more of memory's bandwidth than one, and two neighbouring rows less (both
+// in a standalone loop, 2 threads, [65536, 768] float32 cold, an AVX-512 AMD EPYC: one stream 27-40 GB/s
+// in 5 rounds, two halves apart 29-47, two neighbouring rows 21-23, three or four streams 27-38). One
+// sequence's 130M decode step, 16 steps a round in one process (an environment switch in a scratch
+// build), one stream's time / two streams': RWKV-7 1.105 (0.887-1.496, 20 rounds) and 1.141 (0.819-1.747,
+// 30 rounds), RWKV-6 1.124 (0.914-1.598, 20 rounds).
 template <class W>
-inline void one_row(const typename W::T* __restrict w, int64_t ldw, const float* __restrict x, int64_t K,
-                    float* __restrict y, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const typename W::T* wr = w + n * ldw;
-    vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+inline void two_rows(const typename W::T* __restrict w, int64_t ldw, const float* __restrict x, int64_t K,
+                     float* __restrict y, int64_t n0, int64_t n1) {
+  const int64_t half = (n1 - n0) / 2, mid = n0 + half;
+  // rows a and b of the weights (the odd last row: a == b, its sum written once); every row's sums are
+  // taken in the same order whichever way the rows are shared between threads
+  auto pair = [&](int64_t ra, int64_t rb) {
+    const typename W::T* wa = w + ra * ldw;
+    const typename W::T* wb = w + rb * ldw;
+    vec a0 = vzero(), a1 = vzero(), b0 = vzero(), b1 = vzero();
     int64_t k = 0;
-    for (; k + 4 * kLanes <= K; k += 4 * kLanes) {
-      a0 = vfma(W::load(wr + k), F32W::load(x + k), a0);
-      a1 = vfma(W::load(wr + k + kLanes), F32W::load(x + k + kLanes), a1);
-      a2 = vfma(W::load(wr + k + 2 * kLanes), F32W::load(x + k + 2 * kLanes), a2);
-      a3 = vfma(W::load(wr + k + 3 * kLanes), F32W::load(x + k + 3 * kLanes), a3);
+    for (; k + 2 * kLanes <= K; k += 2 * kLanes) {
+      const vec x0 = F32W::load(x + k), x1 = F32W::load(x + k + kLanes);
+      a0 = vfma(W::load(wa + k), x0, a0);
+      b0 = vfma(W::load(wb + k), x0, b0);
+      a1 = vfma(W::load(wa + k + kLanes), x1, a1);
+      b1 = vfma(W::load(wb + k + kLanes), x1, b1);
     }
-    for (; k + kLanes <= K; k += kLanes) a0 = vfma(W::load(wr + k), F32W::load(x + k), a0);
-    if (k < K) a1 = vfma(W::tail(wr + k, K - k), F32W::tail(x + k, K - k), a1);
-    y[n] = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
-  }
+    if (k + kLanes <= K) {
+      const vec x0 = F32W::load(x + k);
+      a0 = vfma(W::load(wa + k), x0, a0);
+      b0 = vfma(W::load(wb + k), x0, b0);
+      k += kLanes;
+    }
+    if (k < K) {
+      const vec x1 = F32W::tail(x + k, K - k);
+      a1 = vfma(W::tail(wa + k, K - k), x1, a1);
+      b1 = vfma(W::tail(wb + k, K - k), x1, b1);
+    }
+    y[ra] = vsum(vadd(a0, a1));
+    y[rb] = vsum(vadd(b0, b1));
+  };
+  for (int64_t i = 0; i < half; ++i) pair(n0 + i, mid + i);
+  if (mid + half < n1) pair(n1 - 1, n1 - 1);
 }
 
 // Weight rows per block for MB activation rows: R x MB accumulators and R + 1 loads fit the registers
@@ -239,7 +260,7 @@ void rows_range(const typename W::T* w, int64_t ldw, const float* x, int64_t ldx
 #if defined(__AVX512F__) || defined(__AVX2__)
   if constexpr (MB == 1) {
     (void)ldx, (void)ldy, (void)pf;
-    one_row<W>(w, ldw, x, K, y, n0, n1);
+    two_rows<W>(w, ldw, x, K, y, n0, n1);
   } else {
     constexpr int R = rows_for<MB>();
     // K in chunks whose activation rows stay in L1 (MB x KC floats of 16 KiB) when they would not
