@@ -168,11 +168,15 @@ def one_thread_below(work: int, limit: int) -> Iterator[None]:
 @contextmanager
 def _threads_while(n: int | None) -> Iterator[None]:
     """torch's intra-op thread count at ``n`` while the block runs, restored after (also on errors); None or
-    the count in force: nothing changes."""
+    the count in force: nothing changes (None without asking torch: every compiled step's call passes
+    through here, by :func:`unraised_threads`)."""
+    if n is None:
+        yield
+        return
     import torch  # not at import: this module runs before torch loads
 
     threads = torch.get_num_threads()
-    if n is None or n == threads:
+    if n == threads:
         yield
         return
     torch.set_num_threads(n)
