@@ -221,6 +221,24 @@ def test_prompt_work_beside_a_busy_process_gets_twice_the_cores(busy_neighbour: 
     assert torch.get_num_threads() == cores  # restored on errors too
 
 
+def test_compiled_code_in_a_raised_prompt_runs_unraised(busy_neighbour: pytest.MonkeyPatch) -> None:
+    """unraised_threads (around every compiled call): the count before the raise inside prompt_threads,
+    nothing changed elsewhere, and nothing left of a raise that ended in an error."""
+    cores = threads.all_cores()
+    with threads.prompt_threads(512):
+        with threads.unraised_threads():
+            assert torch.get_num_threads() == cores
+        assert torch.get_num_threads() == 2 * cores
+    with pytest.raises(RuntimeError), threads.prompt_threads(512), threads.unraised_threads():
+        raise RuntimeError("a failing compiled call")
+    torch.set_num_threads(1)  # a count other than the raise's start: a stale raise would change it
+    try:
+        with threads.unraised_threads():
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(cores)
+
+
 @pytest.mark.parametrize("case", ["decode", "quiet", "user count", "spinning", "turned off"])
 def test_prompt_threads_leave_the_count_alone(busy_neighbour: pytest.MonkeyPatch, case: str) -> None:
     tokens = threads.PROMPT_TOKENS - 1 if case == "decode" else 512
