@@ -1,8 +1,9 @@
 """RWKV-7's and RWKV-6's one-token decode steps in C++ (kernels/csrc/rwkv7_step.cpp, rwkv6_step.cpp through
 models/ops/native_step.py): the model's decode of one and several sequences through the op against the
 eager model (logits and state rows), RWKV-6 with its residual halved every layer; the op against the
-compiled step's function row by row; bad operands rejected before any state is written; the first call's
-check and its fallback."""
+compiled step's function row by row, the matrices as the few-row kernel's rows, oneDNN's packed twins or
+their row slices; bad operands rejected before any state is written; the first call's check and its
+fallbacks."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ import rsmem
 from rsmem import Batch, Context
 from rsmem.kernels.build import native_ops
 from rsmem.models.compiled import has_cxx_compiler
-from rsmem.models.ops.native_step import PACKED_FROM_ROWS, PACKED_HEAD_FROM_ROWS, NativeStep
+from rsmem.models.ops import native_step
+from rsmem.models.ops.native_step import (
+    PACKED_FROM_ROWS,
+    PACKED_HEAD_FROM_ROWS,
+    SLICED_F32,
+    SLICED_FROM_ROWS,
+    NativeStep,
+)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv"
 needs_cxx = pytest.mark.skipif(not has_cxx_compiler(), reason="the kernels need a C++ compiler")
@@ -124,12 +132,23 @@ def _step_operands(arch: str, n: int = 3):
 
 @needs_cxx
 @pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
-@pytest.mark.parametrize("n", [3, PACKED_HEAD_FROM_ROWS, PACKED_FROM_ROWS + 3])
-def test_op_rows_match_the_twin(arch: str, n: int) -> None:
-    """``n`` rows through the op at once against the compiled step's function, one row at a time (from
-    PACKED_HEAD_FROM_ROWS rows the op takes the head as its oneDNN packed twin, from PACKED_FROM_ROWS every
-    float32 matrix)."""
+@pytest.mark.parametrize(
+    ("n", "sliced"),
+    [
+        (3, True),
+        (SLICED_FROM_ROWS, True),
+        (PACKED_FROM_ROWS + 3, True),
+        (PACKED_HEAD_FROM_ROWS, False),
+        (PACKED_FROM_ROWS + 3, False),
+    ],
+)
+def test_op_rows_match_the_twin(arch: str, n: int, sliced: bool) -> None:
+    """``n`` rows through the op at once against the compiled step's function, one row at a time: from
+    SLICED_FROM_ROWS rows the op takes every float32 matrix as oneDNN packed slices of its rows (three
+    here); without them, from PACKED_HEAD_FROM_ROWS the head as its packed twin, from PACKED_FROM_ROWS every
+    float32 matrix."""
     model, native, x, flat = _step_operands(arch, n)
+    native.sliced, native.n_slices = sliced, 3
     n_fields = native.n_fields
     mine = [t.clone() if i % n_fields >= n_fields - 2 else t for i, t in enumerate(flat)]
     got = native(x, model.norm_f, model._head_one, model.config.eps, *mine)
@@ -140,6 +159,59 @@ def test_op_rows_match_the_twin(arch: str, n: int) -> None:
         for i in range(0, len(flat), n_fields):
             for k in (n_fields - 2, n_fields - 1):
                 torch.testing.assert_close(mine[i + k][row : row + 1], theirs[i + k], rtol=1e-5, atol=1e-5)
+    took_slices = (False, False, True) in native._cache
+    assert took_slices == (sliced and n >= SLICED_FROM_ROWS)
+    if took_slices:
+        _, _, qtypes, _, head_q, slices = native._cache[False, False, True]
+        assert set(qtypes) == {SLICED_F32} and head_q == SLICED_F32 and len(slices) == 3 * (len(qtypes) + 1)
+
+
+def _decode_many(model, n: int) -> list[torch.Tensor]:
+    """Short prompts of ``n`` sequences, then two steps of all of them together: those steps' logits."""
+    ctx = Context(model, n_seq_max=n)
+    ctx.decode(Batch([(5 * s) % 290 + 1 for s in range(n)], seq_ids=[[s] for s in range(n)]))
+    out = []
+    for k in range(2):
+        ctx.decode(Batch([(7 * s + k) % 290 + 1 for s in range(n)], seq_ids=[[s] for s in range(n)]))
+        out.append(ctx.logits.clone())
+    return out
+
+
+@needs_cxx
+@pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
+def test_many_sequences_through_the_slices_match_eager(arch: str) -> None:
+    path = FIXTURES / arch / "model-f32.gguf"
+    want = _decode_many(rsmem.load_model(path, compile=False), SLICED_FROM_ROWS)
+    native_ops()
+    model = rsmem.load_model(path, compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = _decode_many(model, SLICED_FROM_ROWS)
+    assert model._native is not None and model._native.sliced and (False, False, True) in model._native._cache
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@needs_cxx
+@pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
+def test_check_catches_slices_out_of_order(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each matrix's two row slices swapped (the products' halves in each other's place): the first call of
+    SLICED_FROM_ROWS rows warns and the op keeps its other forms, its logits right."""
+    path = FIXTURES / arch / "model-f32.gguf"
+    want = _decode_many(rsmem.load_model(path, compile=False), SLICED_FROM_ROWS)
+    original = native_step.row_slices
+    monkeypatch.setattr(native_step, "row_slices", lambda plain, n: original(plain, n)[::-1])
+    native_ops()
+    model = rsmem.load_model(path, compile=True)
+    assert model._native is not None
+    model._native.n_slices = 2
+    with pytest.warns(
+        RuntimeWarning, match=f"{arch}_step keeps its products off sliced matrices: its .* differ"
+    ):
+        got = _decode_many(model, SLICED_FROM_ROWS)
+    assert not model._native.sliced and model._native.failed is None
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
 @needs_cxx
@@ -157,6 +229,15 @@ def test_bad_operands_are_errors_before_any_write(arch: str) -> None:
             native(x, model.norm_f, model._head_one, model.config.eps, *bad)
     with pytest.raises(ValueError, match="x must be"):
         native(x.double(), model.norm_f, model._head_one, model.config.eps, *flat)
+    # the sliced form: a matrix's slices one row short, a slice count that does not divide the list
+    native.n_slices = 2
+    layers, qtypes, head_w, head_q, slices = native._build_sliced(model._head_one, flat)
+    op = getattr(native_ops(), native.op)
+    short = [*slices[:2], torch.ops.mkldnn._reorder_linear_weight(head_w[:5].contiguous(), 8), *slices[3:]]
+    with pytest.raises(ValueError, match="slices hold"):
+        op(x, layers, qtypes, model.norm_f, head_w, head_q, *native.consts, short, 2)
+    with pytest.raises(ValueError, match="2 slices for each"):
+        op(x, layers, qtypes, model.norm_f, head_w, head_q, *native.consts, slices[:-1], 2)
     for a, b in zip(flat, before, strict=True):
         assert a is b or torch.equal(a, b)
 

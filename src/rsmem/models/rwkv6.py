@@ -146,7 +146,7 @@ class Rwkv6Model(RwkvModelBase):
 
         matrices = tuple(RWKV6_FIELDS.index(name) for name in self.matrices)
         consts = (cfg.eps, cfg.n_head, cfg.rescale_every_n_layers, emb_norm, emb_norm_b, norm_f_b)
-        return NativeStep("rwkv6_step", twin, N6_PER_LAYER, matrices, consts)
+        return NativeStep("rwkv6_step", twin, N6_PER_LAYER, matrices, consts, sliced=True)
 
     def step_fields(self, ly: Rwkv6Layer, operand: Callable[[torch.Tensor], Any]) -> list[Any]:
         return [operand(getattr(ly, n)) if n in self.matrices else getattr(ly, n) for n in RWKV6_FIELDS]

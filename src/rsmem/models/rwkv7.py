@@ -155,7 +155,7 @@ class Rwkv7Model(RwkvModelBase):
 
         matrices = tuple(RWKV7_FIELDS.index(name) for name in self.matrices)
         consts = (self.config.eps, n_head, emb_norm, emb_norm_b, norm_f_b)
-        return NativeStep("rwkv7_step", twin, N_PER_LAYER, matrices, consts, span=2)
+        return NativeStep("rwkv7_step", twin, N_PER_LAYER, matrices, consts, span=2, sliced=True)
 
     def step_fields(self, ly: Rwkv7Layer, operand: Callable[[torch.Tensor], Any]) -> list[Any]:
         fields = []

@@ -3,7 +3,8 @@
 //
 //   rwkv6_step(x [M, C], layers: 26 tensors a layer, qtypes [8 a layer: receptance, key, value, gate,
 //       output, ffn_key, ffn_value, ffn_receptance], norm_f, head, head_qtype, eps, n_head, rescale_every,
-//       emb_norm, emb_norm_b, norm_f_b) -> logits [M, n_vocab]
+//       emb_norm, emb_norm_b, norm_f_b, slices, n_slices) -> logits [M, n_vocab]
+// (the matrices' forms and `slices` as in rwkv7_step.cpp)
 //
 // A layer's tensors are rsmem.models.ops.wkv_fused.RWKV6_FIELDS in order, then its token-shift rows
 // [M, 2, C] and WKV state [M, H, N(k), N(v)], both updated in place:
@@ -44,7 +45,8 @@ constexpr int64_t kLayerTensors = 26;
 constexpr int64_t kQtypes = 8;
 constexpr float kGroupNormEps = 64e-5f;
 
-void check_layer(const at::Tensor* t, const int64_t* q, int64_t M, int64_t C, int64_t H) {
+void check_layer(const at::Tensor* t, const int64_t* q, int64_t M, int64_t C, int64_t H, const step::Slices& sl,
+                 int64_t j) {
   const int64_t N = C / H;
   for (int i : {0, 1, 2, 3, 4, 8, 11, 17, 18, 19, 20}) check_f32(kOp, t[i], C, "a layer's vector");
   check_f32(kOp, t[5], 5 * C, "lerp");
@@ -55,13 +57,13 @@ void check_layer(const at::Tensor* t, const int64_t* q, int64_t M, int64_t C, in
   step::check_lora(kOp, t[9], -1, C, "decay_w1");
   step::check_lora(kOp, t[10], C, t[9].size(0), "decay_w2");
   const char* names[] = {"receptance", "key", "value", "gate", "output"};
-  for (int i = 0; i < 5; ++i) check_matrix(kOp, t[12 + i], q[i], C, C, names[i]);
+  for (int i = 0; i < 5; ++i) check_matrix(kOp, t[12 + i], q[i], C, C, names[i], sl.of(j + i));
   TORCH_CHECK_VALUE(t[22].dim() == 2 && t[22].size(0) == C, kOp, ": ffn_value must be [", C, ", F], got ",
                     t[22].sizes());
   const int64_t F = t[22].size(1);
-  check_matrix(kOp, t[21], q[5], F, C, "ffn_key");
-  check_matrix(kOp, t[22], q[6], C, F, "ffn_value");
-  check_matrix(kOp, t[23], q[7], C, C, "ffn_receptance");
+  check_matrix(kOp, t[21], q[5], F, C, "ffn_key", sl.of(j + 5));
+  check_matrix(kOp, t[22], q[6], C, F, "ffn_value", sl.of(j + 6));
+  check_matrix(kOp, t[23], q[7], C, C, "ffn_receptance", sl.of(j + 7));
   check_f32(kOp, t[24], M * 2 * C, "shift");
   check_f32(kOp, t[25], M * H * N * N, "wkv");
 }
@@ -81,7 +83,8 @@ void wkv6(float* S, const float* r, const float* w, const float* k, const float*
 at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArrayRef qtypes,
                       const at::Tensor& norm_f, const at::Tensor& head, int64_t head_qtype, double eps,
                       int64_t n_head, int64_t rescale_every, const at::Tensor& emb_norm,
-                      const at::Tensor& emb_norm_b, const at::Tensor& norm_f_b) {
+                      const at::Tensor& emb_norm_b, const at::Tensor& norm_f_b, at::TensorList slices,
+                      int64_t n_slices) {
   TORCH_CHECK_VALUE(layers.size() % kLayerTensors == 0 && qtypes.size() * kLayerTensors == kQtypes * layers.size(),
                     kOp, ": 26 tensors and 8 qtypes a layer, got ", layers.size(), " and ", qtypes.size());
   TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1, kOp,
@@ -90,12 +93,13 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
   TORCH_CHECK_VALUE(n_head > 0 && C % n_head == 0, kOp, ": ", n_head, " heads do not split ", C, " channels");
   const int64_t H = n_head, N = C / H;
   const int64_t n_layer = static_cast<int64_t>(layers.size()) / kLayerTensors;
+  const step::Slices sl = step::check_slices(kOp, slices, n_slices, n_layer * kQtypes + 1);
   for (int64_t il = 0; il < n_layer; ++il) {
-    check_layer(layers.data() + il * kLayerTensors, qtypes.data() + il * kQtypes, M, C, H);
+    check_layer(layers.data() + il * kLayerTensors, qtypes.data() + il * kQtypes, M, C, H, sl, il * kQtypes);
   }
   for (const at::Tensor* t : {&emb_norm, &emb_norm_b, &norm_f, &norm_f_b}) check_f32(kOp, *t, C, "a norm");
   TORCH_CHECK_VALUE(head.dim() == 2, kOp, ": head must be a matrix, got ", head.sizes());
-  check_matrix(kOp, head, head_qtype, head.size(0), C, "head");
+  check_matrix(kOp, head, head_qtype, head.size(0), C, "head", sl.of(n_layer * kQtypes));
 
   const float feps = static_cast<float>(eps);
   const auto opts = x_in.options();
@@ -110,6 +114,7 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
   for (int64_t il = 0; il < n_layer; ++il) {
     const at::Tensor* t = layers.data() + il * kLayerTensors;
     const int64_t* q = qtypes.data() + il * kQtypes;
+    auto slices_of = [&](int i) { return sl.of(il * kQtypes + i); };
     auto vec = [&](int i) { return t[i].data_ptr<float>(); };
     float* shift = t[24].data_ptr<float>();
     const float *lerp_x = vec(4), *lerp = vec(5);
@@ -138,10 +143,10 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
       }
     });
     auto part = [&](int i) { return mix[i]; };  // w, k, v, r, g: [M, C]
-    const at::Tensor r = product(part(3), t[12], q[0]);
-    const at::Tensor k = product(part(1), t[13], q[1]);
-    const at::Tensor v = product(part(2), t[14], q[2]);
-    at::Tensor g = product(part(4), t[15], q[3]);
+    const at::Tensor r = product(part(3), t[12], q[0], slices_of(0));
+    const at::Tensor k = product(part(1), t[13], q[1], slices_of(1));
+    const at::Tensor v = product(part(2), t[14], q[2], slices_of(2));
+    at::Tensor g = product(part(4), t[15], q[3], slices_of(3));
     const at::Tensor dw = lora(step::map_(lora(part(0), t[9]), step::tanh_), t[10]);
     const float *dwp = dw.data_ptr<float>(), *decay = vec(8);
     step::each_row(M, 8 * C, [&](int64_t m) {
@@ -183,7 +188,7 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         }
       }
     });
-    step::add_product(xp, y, t[16], q[4]);
+    step::add_product(xp, y, t[16], q[4], slices_of(4));
     // the channel mix; the shift rows take this token's normed inputs
     const float *lerp_k = vec(19), *lerp_r = vec(20);
     step::each_row(M, 4 * C, [&](int64_t m) {
@@ -198,14 +203,14 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         prev[C + j] = fp[e];
       }
     });
-    const at::Tensor rf = product(fr, t[23], q[7]);
-    at::Tensor kf = product(fk, t[21], q[5]);
+    const at::Tensor rf = product(fr, t[23], q[7], slices_of(7));
+    at::Tensor kf = product(fk, t[21], q[5], slices_of(5));
     float* kfp = kf.data_ptr<float>();
     const int64_t F = kf.size(1);
     step::each_row(M, F, [&](int64_t m) {
       for (int64_t e = m * F; e < (m + 1) * F; ++e) kfp[e] = kfp[e] > 0.f ? kfp[e] * kfp[e] : 0.f;
     });
-    const at::Tensor out = product(kf, t[22], q[6]);
+    const at::Tensor out = product(kf, t[22], q[6], slices_of(6));
     const float *op = out.data_ptr<float>(), *rfp = rf.data_ptr<float>();
     const bool halve = rescale_every > 0 && (il + 1) % rescale_every == 0;
     step::each_row(M, 8 * C, [&](int64_t m) {
@@ -224,7 +229,7 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     });
   }
   layer_norm_rows(xp, norm_f.data_ptr<float>(), norm_f_b.data_ptr<float>(), hp, M, C, feps);
-  return product(h, head, head_qtype);
+  return product(h, head, head_qtype, sl.of(n_layer * kQtypes));
 }
 
 }  // namespace
@@ -233,6 +238,7 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
 TORCH_LIBRARY_FRAGMENT(RSMEM_OPS_NS, m) {
   m.def(
       "rwkv6_step(Tensor x, Tensor[] layers, int[] qtypes, Tensor norm_f, Tensor head, int head_qtype, "
-      "float eps, int n_head, int rescale_every, Tensor emb_norm, Tensor emb_norm_b, Tensor norm_f_b) -> Tensor",
+      "float eps, int n_head, int rescale_every, Tensor emb_norm, Tensor emb_norm_b, Tensor norm_f_b, "
+      "Tensor[] slices, int n_slices) -> Tensor",
       &rsmem::rwkv6_step);
 }

@@ -2,16 +2,17 @@
 // graph whose dynamo guards (~30 inputs a layer) and Python wrapper cost more than its glue computes.
 //
 //   rwkv7_step(x [M, C], layers: 30 tensors a layer, qtypes [6 a layer: receptance, key, value, output,
-//       ffn_key, ffn_value], norm_f, head, head_qtype, eps, n_head, emb_norm, emb_norm_b, norm_f_b)
-//       -> logits [M, n_vocab]
+//       ffn_key, ffn_value], norm_f, head, head_qtype, eps, n_head, emb_norm, emb_norm_b, norm_f_b,
+//       slices, n_slices) -> logits [M, n_vocab]
 //
 // A layer's tensors are rsmem.models.ops.wkv_fused.RWKV7_FIELDS in order, then its token-shift rows
 // [M, 2, C] and WKV state [M, H, N(v), N(k)], both updated in place:
 //   attn_norm, attn_norm_b, ffn_norm, ffn_norm_b, lerp [6, C] (r, w, k, v, a, g), w0, w1 [Lw, C], w2 [C, Lw],
 //   a0, a1, a2, v0, v1, v2, g1, g2, k_k, k_a, r_k, receptance, key, value, output, ln_x, ln_x_b,
 //   ffn_lerp_k, ffn_key [F, C], ffn_value [C, F]
-// The six big matrices are float32 [out, in] with contiguous rows (qtype -1) or blocks for
-// rsmem_native::qmatmul; the low-rank ones float32 [out, in]. The first layer's values are every later
+// The six big matrices are float32 [out, in] with contiguous rows (qtype -1), its oneDNN packed twin (-2),
+// the plain matrix with its packed slices in `slices` (-3: n_slices a matrix, the head's last; step_common.h)
+// or blocks for rsmem_native::qmatmul; the low-rank ones float32 [out, in]. The first layer's values are every later
 // layer's value-residual target (its v0, v1, v2 are not read). Per layer, as llama.cpp's rwkv7 graph:
 //   h = layer_norm(x); six lerps of h with the shifted row; r, k, v; the decay w = exp(-e^-0.5 sigmoid(w0 +
 //   tanh(xw w1^T) w2^T)); v += (v_first - v) sigmoid(v0 + xv v1^T v2^T) (not in the first layer);
@@ -50,7 +51,8 @@ constexpr float kGroupNormEps = 64e-5f;
 constexpr float kDecayScale = 0.606531f;
 constexpr int kMatrix[kQtypes] = {19, 20, 21, 22, 26, 27};
 
-void check_layer(const at::Tensor* t, const int64_t* q, bool first, int64_t M, int64_t C, int64_t H) {
+void check_layer(const at::Tensor* t, const int64_t* q, bool first, int64_t M, int64_t C, int64_t H,
+                 const step::Slices& sl, int64_t j) {
   const int64_t N = C / H;
   for (int i : {0, 1, 2, 3, 5, 8, 16, 17, 18, 23, 24, 25}) check_f32(kOp, t[i], C, "a layer's vector");
   check_f32(kOp, t[4], 6 * C, "lerp");
@@ -63,15 +65,15 @@ void check_layer(const at::Tensor* t, const int64_t* q, bool first, int64_t M, i
     step::check_lora(kOp, t[first_of[l] + 1], C, down.size(0), loras[l]);
   }
   if (!first) check_f32(kOp, t[11], C, "v0");
-  check_matrix(kOp, t[19], q[0], C, C, "receptance");
-  check_matrix(kOp, t[20], q[1], C, C, "key");
-  check_matrix(kOp, t[21], q[2], C, C, "value");
-  check_matrix(kOp, t[22], q[3], C, C, "output");
+  check_matrix(kOp, t[19], q[0], C, C, "receptance", sl.of(j + 0));
+  check_matrix(kOp, t[20], q[1], C, C, "key", sl.of(j + 1));
+  check_matrix(kOp, t[21], q[2], C, C, "value", sl.of(j + 2));
+  check_matrix(kOp, t[22], q[3], C, C, "output", sl.of(j + 3));
   TORCH_CHECK_VALUE(t[27].dim() == 2 && t[27].size(0) == C, kOp, ": ffn_value must be [", C, ", F], got ",
                     t[27].sizes());
   const int64_t F = t[27].size(1);
-  check_matrix(kOp, t[26], q[4], F, C, "ffn_key");
-  check_matrix(kOp, t[27], q[5], C, F, "ffn_value");
+  check_matrix(kOp, t[26], q[4], F, C, "ffn_key", sl.of(j + 4));
+  check_matrix(kOp, t[27], q[5], C, F, "ffn_value", sl.of(j + 5));
   check_f32(kOp, t[28], M * 2 * C, "shift");
   check_f32(kOp, t[29], M * H * N * N, "wkv");
 }
@@ -96,7 +98,7 @@ void wkv7(float* S, const float* r, const float* w, const float* k, const float*
 at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArrayRef qtypes,
                       const at::Tensor& norm_f, const at::Tensor& head, int64_t head_qtype, double eps,
                       int64_t n_head, const at::Tensor& emb_norm, const at::Tensor& emb_norm_b,
-                      const at::Tensor& norm_f_b) {
+                      const at::Tensor& norm_f_b, at::TensorList slices, int64_t n_slices) {
   TORCH_CHECK_VALUE(layers.size() % kLayerTensors == 0 && qtypes.size() * kLayerTensors == kQtypes * layers.size(),
                     kOp, ": 30 tensors and 6 qtypes a layer, got ", layers.size(), " and ", qtypes.size());
   TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1, kOp,
@@ -106,12 +108,14 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
                     " heads do not split ", C, " channels into heads of at most 256");
   const int64_t H = n_head, N = C / H;
   const int64_t n_layer = static_cast<int64_t>(layers.size()) / kLayerTensors;
+  const step::Slices sl = step::check_slices(kOp, slices, n_slices, n_layer * kQtypes + 1);
   for (int64_t il = 0; il < n_layer; ++il) {
-    check_layer(layers.data() + il * kLayerTensors, qtypes.data() + il * kQtypes, il == 0, M, C, H);
+    check_layer(layers.data() + il * kLayerTensors, qtypes.data() + il * kQtypes, il == 0, M, C, H, sl,
+                il * kQtypes);
   }
   for (const at::Tensor* t : {&emb_norm, &emb_norm_b, &norm_f, &norm_f_b}) check_f32(kOp, *t, C, "a norm");
   TORCH_CHECK_VALUE(head.dim() == 2, kOp, ": head must be a matrix, got ", head.sizes());
-  check_matrix(kOp, head, head_qtype, head.size(0), C, "head");
+  check_matrix(kOp, head, head_qtype, head.size(0), C, "head", sl.of(n_layer * kQtypes));
 
   const float feps = static_cast<float>(eps);
   const auto opts = x_in.options();
@@ -128,6 +132,7 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     const at::Tensor* t = layers.data() + il * kLayerTensors;
     const int64_t* q = qtypes.data() + il * kQtypes;
     auto vec = [&](int i) { return t[i].data_ptr<float>(); };
+    auto slices_of = [&](int i) { return sl.of(il * kQtypes + i); };
     float* shift = t[28].data_ptr<float>();
     const float* lerp = vec(4);
     step::each_row(M, 8 * C, [&](int64_t m) {
@@ -140,9 +145,9 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
       }
     });
     auto part = [&](int i) { return mix[i]; };  // [M, C]
-    at::Tensor r = product(part(0), t[19], q[0]);
-    at::Tensor k = product(part(2), t[20], q[1]);
-    at::Tensor v = product(part(3), t[21], q[2]);
+    at::Tensor r = product(part(0), t[19], q[0], slices_of(0));
+    at::Tensor k = product(part(2), t[20], q[1], slices_of(1));
+    at::Tensor v = product(part(3), t[21], q[2], slices_of(2));
     const at::Tensor dw = lora(step::map_(lora(part(1), t[6]), step::tanh_), t[7]);
     const at::Tensor da = lora(lora(part(4), t[9]), t[10]);
     const at::Tensor g = lora(step::map_(lora(part(5), t[14]), sigmoid), t[15]);
@@ -205,7 +210,7 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         }
       }
     });
-    step::add_product(xp, y, t[22], q[3]);
+    step::add_product(xp, y, t[22], q[3], slices_of(3));
     // the channel mix; the shift rows take this token's normed inputs
     at::Tensor f = at::empty({M, C}, opts), fk = at::empty({M, C}, opts);
     float *fp = f.data_ptr<float>(), *fkp = fk.data_ptr<float>();
@@ -220,16 +225,16 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         prev[C + j] = fp[e];
       }
     });
-    at::Tensor kf = product(fk, t[26], q[4]);
+    at::Tensor kf = product(fk, t[26], q[4], slices_of(4));
     float* kfp = kf.data_ptr<float>();
     const int64_t F = kf.size(1);
     step::each_row(M, F, [&](int64_t m) {
       for (int64_t e = m * F; e < (m + 1) * F; ++e) kfp[e] = kfp[e] > 0.f ? kfp[e] * kfp[e] : 0.f;
     });
-    step::add_product(xp, kf, t[27], q[5]);
+    step::add_product(xp, kf, t[27], q[5], slices_of(5));
   }
   layer_norm_rows(xp, norm_f.data_ptr<float>(), norm_f_b.data_ptr<float>(), hp, M, C, feps);
-  return product(h, head, head_qtype);
+  return product(h, head, head_qtype, sl.of(n_layer * kQtypes));
 }
 
 }  // namespace
@@ -238,6 +243,7 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
 TORCH_LIBRARY_FRAGMENT(RSMEM_OPS_NS, m) {
   m.def(
       "rwkv7_step(Tensor x, Tensor[] layers, int[] qtypes, Tensor norm_f, Tensor head, int head_qtype, "
-      "float eps, int n_head, Tensor emb_norm, Tensor emb_norm_b, Tensor norm_f_b) -> Tensor",
+      "float eps, int n_head, Tensor emb_norm, Tensor emb_norm_b, Tensor norm_f_b, Tensor[] slices, "
+      "int n_slices) -> Tensor",
       &rsmem::rwkv7_step);
 }

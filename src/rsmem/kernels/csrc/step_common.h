@@ -53,10 +53,45 @@ inline void check_f32(const char* op, const at::Tensor& t, int64_t numel, const 
 // where that beats the few-row kernel (rsmem.models.ops.native_step.PACKED_FROM_ROWS)
 constexpr int64_t kPackedF32 = -2;
 
+// qtype of a float32 [out, in] matrix whose products run through oneDNN packed slices of its rows
+// (rows::sliced_product), from the op's `slices` argument; the matrix's own operand is the plain matrix
+// (checked as qtype -1). The caller passes it from the rows where it beats the few-row kernel
+// (rsmem.models.ops.native_step.SLICED_FROM_ROWS).
+constexpr int64_t kSlicedF32 = -3;
+
+// The op's `slices`: `per` packed slices for each matrix in the order of its qtypes, the head's last; only
+// those of kSlicedF32 matrices are read (the others' may be any tensors)
+struct Slices {
+  at::TensorList all;
+  int64_t per = 0;
+  at::TensorList of(int64_t j) const {
+    return per == 0 ? at::TensorList() : all.slice(static_cast<size_t>(j * per), static_cast<size_t>(per));
+  }
+};
+
+// `slices` for `matrices` matrices of `per` slices each (none when no matrix is sliced)
+inline Slices check_slices(const char* op, at::TensorList slices, int64_t per, int64_t matrices) {
+  TORCH_CHECK_VALUE(per >= 0 && static_cast<int64_t>(slices.size()) == per * matrices, op, ": ", per,
+                    " slices for each of ", matrices, " matrices, got ", slices.size());
+  return Slices{slices, per};
+}
+
 // a matrix of N rows of K values: float32 [N, K] with contiguous rows (qtype -1), its oneDNN packed twin
 // (kPackedF32), else N rows of uint8 blocks (their row length is rsmem_native::qmatmul's check)
 inline void check_matrix(const char* op, const at::Tensor& w, int64_t qtype, int64_t N, int64_t K,
-                         const char* what) {
+                         const char* what, at::TensorList slices = {}) {
+  if (qtype == kSlicedF32) {
+    TORCH_CHECK_VALUE(!slices.empty(), op, ": ", what, " is sliced (qtype -3) but the op has no slices");
+    int64_t rows = 0;
+    for (const at::Tensor& s : slices) {
+      TORCH_CHECK_VALUE(s.is_mkldnn() && s.scalar_type() == at::kFloat && s.dim() == 2 && s.size(1) == K, op, ": ",
+                        what, "'s slices must be oneDNN's packed float32 [rows, ", K, "], got ", s.scalar_type(),
+                        " ", s.sizes(), s.is_mkldnn() ? " (packed)" : " (not packed)");
+      rows += s.size(0);
+    }
+    TORCH_CHECK_VALUE(rows == N, op, ": ", what, "'s slices hold ", rows, " rows, not ", N);
+    qtype = -1;  // and the matrix itself is the plain one
+  }
   if (qtype == kPackedF32) {
     TORCH_CHECK_VALUE(w.is_mkldnn() && w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(0) == N &&
                           w.size(1) == K,
@@ -108,8 +143,9 @@ inline void layer_norm_rows(const float* x, const float* w, const float* b, floa
   for (int64_t m = 0; m < M; ++m) layer_norm_row(x + m * n, w, b, out + m * n, n, eps);
 }
 
-// x [M, K] (contiguous) @ W^T for a checked matrix (check_matrix)
-inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
+// x [M, K] (contiguous) @ W^T for a checked matrix (check_matrix; `slices` its slices when it is sliced)
+inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::TensorList slices = {}) {
+  if (qtype == kSlicedF32) return rows::sliced_product(x, slices, w.size(0));
   if (qtype == kPackedF32) return rows::packed_product(x, w);
   if (qtype < 0) {  // the few-row kernel for any count: the caller gives the big matrices packed where it pays
     const int64_t M = x.size(0), N = w.size(0), Kd = x.size(1);
@@ -125,8 +161,9 @@ inline at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
 }
 
 // the residual: x [M, n] += y @ W^T (W [n, K])
-inline void add_product(float* __restrict x, const at::Tensor& y, const at::Tensor& w, int64_t qtype) {
-  const at::Tensor out = product(y, w, qtype);
+inline void add_product(float* __restrict x, const at::Tensor& y, const at::Tensor& w, int64_t qtype,
+                        at::TensorList slices = {}) {
+  const at::Tensor out = product(y, w, qtype, slices);
   const float* op = out.data_ptr<float>();
   const int64_t total = out.numel();
   for (int64_t j = 0; j < total; ++j) x[j] += op[j];

@@ -19,6 +19,7 @@ model keeps its compiled step (nothing was written).
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 from rsmem import settings
 from rsmem.kernels.build import loaded_native_ops
 from rsmem.models.ops.fused import SmallRows
+from rsmem.models.ops.packed import PACK_ROWS
 from rsmem.models.ops.quantized import QuantMatrix
 
 # The first call's check (one layer of each kind at a time): logits and states within this of the twin's,
@@ -58,6 +60,16 @@ PACKED_FROM_ROWS = 65
 # waking for it keep less: RWKV-7 step at 64 rows 0.980 and 0.986 of the time with the kernel's head (20
 # and 40 interleaved rounds), RWKV-6 0.980; at 48 rows 1.006, at 32 1.009)
 PACKED_HEAD_FROM_ROWS = 64
+# qtype of a float32 matrix whose products run through oneDNN packed slices of its rows, one slice a range of
+# rsmem's workers on one OpenMP thread each (csrc/step_common.h's kSlicedF32), for ops made with
+# ``sliced=True`` (RWKV-6 and RWKV-7) ...
+SLICED_F32 = -3
+# ... from this many rows (and up to MAX_ROWS), every float32 matrix and the head. The random 130M RWKV-7's
+# decode step, 2 threads, interleaved rounds in one process, time sliced / before (the few-row kernel, the
+# head packed from 64 rows): 1.14-1.18 at 8 rows, 0.99-1.01 at 16, 0.94 at 32, 0.91 at 48, 0.92-0.94 at 64;
+# RWKV-6 0.96 at 32, 0.94 at 64. (Standalone, over the 72 layer matrices alone with their weights in the
+# heap, the slices took 0.5-0.6 of the kernel's time from 16 rows: not what the step sees.)
+SLICED_FROM_ROWS = 32
 
 
 def native_matrix(matrix: Any, packed: bool = False) -> tuple[torch.Tensor, int] | None:
@@ -87,6 +99,17 @@ def _qtype(matrix: Any) -> int | None:
     return None if found is None else found[1]
 
 
+def row_slices(plain: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """oneDNN packed twins of ``n`` consecutive row ranges of a float32 ``[out, in]`` matrix, as even as the
+    rows allow (the op's ``slices`` for a :data:`SLICED_F32` matrix)."""
+    bounds = [plain.shape[0] * i // n for i in range(n + 1)]
+    return [
+        torch.ops.mkldnn._reorder_linear_weight(plain[a:b].contiguous(), PACK_ROWS)
+        for a, b in itertools.pairwise(bounds)
+        if b > a
+    ]
+
+
 def difference(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest ``|a - b|`` relative to ``b``'s largest magnitude (inf for other shapes or non-finite
     values)."""
@@ -105,7 +128,9 @@ class NativeStep:
     ``n_fields`` tensors (its two states last); ``matrices``: the positions among them of the matrices the
     op takes with a qtype each; ``consts``: the op's arguments after the head's qtype; ``span``: the layers
     the first call's check runs together (2 where a layer differs from the first, as RWKV-7's value-residual
-    mix).
+    mix); ``sliced``: the op takes ``slices`` and ``n_slices`` after ``consts`` (:data:`SLICED_F32`), and from
+    :data:`SLICED_FROM_ROWS` rows gets every float32 matrix that way (the slices made at that first call,
+    one a thread: a copy of those matrices).
     """
 
     def __init__(
@@ -116,6 +141,7 @@ class NativeStep:
         matrices: tuple[int, ...],
         consts: tuple[Any, ...],
         span: int = 1,
+        sliced: bool = False,
     ) -> None:
         self.op = op
         self.twin = twin
@@ -123,12 +149,20 @@ class NativeStep:
         self.matrices = matrices
         self.consts = consts
         self.span = span
+        self.takes_slices = sliced  # the op's last two arguments (none for the other ops)
+        self.sliced = sliced  # and from SLICED_FROM_ROWS rows the matrices as slices (off if its check fails)
         self.failed: BaseException | str | None = None
         self._checked = False
-        # (layers packed, head packed) -> (ids of the weights, the op's weight operands), one entry a form
+        self._sliced_checked = False
+        self._has_twins = False  # any float32 matrix with a packed twin (set by the first check)
+        # form (layers packed, head packed, sliced) -> (ids of the weights, the op's weight operands, slices)
         self._cache: dict[
-            tuple[bool, bool], tuple[tuple[int, ...], list[torch.Tensor], list[int], torch.Tensor, int]
+            tuple[bool, bool, bool],
+            tuple[tuple[int, ...], list[torch.Tensor], list[int], torch.Tensor, int, list[torch.Tensor]],
         ] = {}
+        # id(plain matrix) -> (that matrix, its row slices), made at the first sliced call
+        self._slices: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.n_slices = 0
         # the weights (head first) whose every matrix has a form the op takes: accepts' verdict, kept (the
         # objects themselves, so that their ids stay theirs) as the model's matrices do not change
         self._accepted: tuple[Any, ...] = ()
@@ -176,37 +210,85 @@ class NativeStep:
         head_w, head_q = _taken(head, packed if packed_head is None else packed_head)
         return tensors, qtypes, head_w, head_q
 
+    def _build_sliced(
+        self, head: Any, flat: Sequence[Any]
+    ) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int, list[torch.Tensor]]:
+        """:meth:`_build` with every float32 matrix that has a packed twin (a :class:`SmallRows`) as
+        :data:`SLICED_F32`, and the op's ``slices`` (``n_slices`` a matrix, the head's last; placeholders for
+        the others)."""
+        if not self.n_slices:
+            self.n_slices = max(1, torch.get_num_threads())
+        n, blank = self.n_slices, torch.empty(0)
+        tensors, qtypes, slices = [], [], []
+
+        def take(matrix: Any) -> tuple[torch.Tensor, int]:
+            if not isinstance(matrix, SmallRows):
+                slices.extend([blank] * n)
+                return _taken(matrix)
+            entry = self._slices.get(id(matrix.plain))
+            if entry is None or entry[0] is not matrix.plain:
+                entry = self._slices[id(matrix.plain)] = (matrix.plain, row_slices(matrix.plain, n))
+            if len(entry[1]) != n:  # fewer rows than slices: the plain rows
+                slices.extend([blank] * n)
+                return matrix.plain, -1
+            slices.extend(entry[1])
+            return matrix.plain, SLICED_F32
+
+        for i, t in enumerate(flat):
+            if i % self.n_fields in self.matrices:
+                w, q = take(t)
+                tensors.append(w)
+                qtypes.append(q)
+            else:
+                tensors.append(t)
+        head_w, head_q = take(head)
+        return tensors, qtypes, head_w, head_q, slices
+
     def _operands(
-        self, head: Any, flat: Sequence[Any], packed: bool, packed_head: bool
-    ) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int]:
-        """:meth:`_build`, the weights' part kept between calls (the model's matrices do not change), the
-        states this call's."""
+        self, head: Any, flat: Sequence[Any], packed: bool, packed_head: bool, sliced: bool = False
+    ) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int, list[torch.Tensor]]:
+        """:meth:`_build` (:meth:`_build_sliced` when ``sliced``) and the op's slices, the weights' part kept
+        between calls (the model's matrices do not change), the states this call's."""
         key = tuple(id(t) for i, t in enumerate(flat) if i % self.n_fields < self.n_fields - 2)
-        cached = self._cache.get((packed, packed_head))
+        form = (packed, packed_head, sliced)
+        cached = self._cache.get(form)
         if cached is None or cached[0] != key:
-            cached = self._cache[packed, packed_head] = (key, *self._build(head, flat, packed, packed_head))
-        _, tensors, qtypes, head_w, head_q = cached
+            built = (
+                self._build_sliced(head, flat)
+                if sliced
+                else (*self._build(head, flat, packed, packed_head), [])
+            )
+            cached = self._cache[form] = (key, *built)
+        _, tensors, qtypes, head_w, head_q, slices = cached
         layers = list(tensors)
         for i in range(self.n_fields - 2, len(flat), self.n_fields):
             layers[i], layers[i + 1] = flat[i], flat[i + 1]
-        return layers, qtypes, head_w, head_q
+        return layers, qtypes, head_w, head_q, slices
 
     def _run(
         self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, flat: Sequence[Any]
     ) -> torch.Tensor:
         rows = x.shape[0]  # the head as its packed twin (where it has one) from PACKED_HEAD_FROM_ROWS
-        layers, qtypes, head_w, head_q = self._operands(
+        op = getattr(self.ops(), self.op)
+        if self.sliced and rows >= SLICED_FROM_ROWS:
+            layers, qtypes, head_w, head_q, slices = self._operands(head, flat, False, False, sliced=True)
+            return op(x, layers, qtypes, norm_f, head_w, head_q, *self.consts, slices, self.n_slices)
+        layers, qtypes, head_w, head_q, _ = self._operands(
             head, flat, rows >= PACKED_FROM_ROWS, rows >= PACKED_HEAD_FROM_ROWS
         )
-        return getattr(self.ops(), self.op)(x, layers, qtypes, norm_f, head_w, head_q, *self.consts)
+        return op(x, layers, qtypes, norm_f, head_w, head_q, *self.consts, *self._no_slices())
+
+    def _no_slices(self) -> tuple[Any, ...]:
+        """The op's ``slices`` and ``n_slices`` when no matrix is sliced (nothing for ops without them)."""
+        return ([], 0) if self.takes_slices else ()
 
     def _compare(
-        self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, layers: list[Any], packed: bool
+        self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, layers: list[Any], form: str
     ) -> str | None:
-        """Consecutive layers (then the final norm and the head) through the op (its matrices ``packed`` or
-        not) and through the twin, on copies of the first sequence's states: None, or what differs beyond
-        the bound (the twin is the one-sequence step's function; the op's rows are independent of each
-        other)."""
+        """Consecutive layers (then the final norm and the head) through the op (its matrices ``plain``,
+        ``packed`` or ``sliced``: ``form``) and through the twin, on copies of the first sequence's states:
+        None, or what differs beyond the bound (the twin is the one-sequence step's function; the op's rows
+        are independent of each other)."""
         n = self.n_fields
         x = x[:1]
         mine, theirs = [], []
@@ -214,8 +296,13 @@ class NativeStep:
             state = i % n >= n - 2
             mine.append(t[:1].clone() if state else t)
             theirs.append(t[:1].clone() if state else t)
-        tensors, qtypes, head_w, head_q = self._build(head, mine, packed)
-        got = getattr(self.ops(), self.op)(x, tensors, qtypes, norm_f, head_w, head_q, *self.consts)
+        op = getattr(self.ops(), self.op)
+        if form == "sliced":
+            tensors, qtypes, head_w, head_q, slices = self._build_sliced(head, mine)
+            got = op(x, tensors, qtypes, norm_f, head_w, head_q, *self.consts, slices, self.n_slices)
+        else:
+            tensors, qtypes, head_w, head_q = self._build(head, mine, form == "packed")
+            got = op(x, tensors, qtypes, norm_f, head_w, head_q, *self.consts, *self._no_slices())
         want = self.twin(x, norm_f, head, eps, *theirs)
         quantized = any(q not in FLOAT_QTYPES for q in (*qtypes, head_q))
         tol = QUANTIZED_CHECK_TOLERANCE if quantized else CHECK_TOLERANCE
@@ -226,11 +313,41 @@ class NativeStep:
         what, worst = max(diffs, key=lambda item: item[1])
         if worst <= tol:
             return None
-        form = " (packed matrices)" if packed else ""
+        shown = "" if form == "plain" else f" ({form} matrices)"
         return (
-            f"its {what}{form} differ from the compiled step's function by {worst:.2e} of their largest "
+            f"its {what}{shown} differ from the compiled step's function by {worst:.2e} of their largest "
             f"magnitude (bound {tol:g})"
         )
+
+    def _kinds(self, flat: Sequence[Any]) -> list[list[Any]]:
+        """``span`` consecutive layers of each kind (the qtypes of their matrices), the first of each."""
+        n, span = self.n_fields, min(self.span, len(flat) // self.n_fields)
+        kinds: dict[tuple[int | None, ...], list[Any]] = {}
+        for i in range(0, len(flat) - n * span + 1, n):
+            layers = list(flat[i : i + n * span])
+            kind = tuple(_qtype(layers[j + m]) for j in range(0, len(layers), n) for m in self.matrices)
+            kinds.setdefault(kind, layers)
+        return list(kinds.values())
+
+    def _first_difference(
+        self,
+        x: torch.Tensor,
+        norm_f: torch.Tensor,
+        head: Any,
+        eps: float,
+        flat: Sequence[Any],
+        forms: list[str],
+    ) -> BaseException | str | None:
+        """:meth:`_compare` over every kind of layers and form: the first problem, or None."""
+        try:
+            for layers in self._kinds(flat):
+                for form in forms:
+                    problem = self._compare(x, norm_f, head, eps, layers, form)
+                    if problem is not None:
+                        return problem
+        except Exception as exc:  # a layout or build this op does not take
+            return exc
+        return None
 
     def check(
         self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, flat: Sequence[Any]
@@ -239,28 +356,36 @@ class NativeStep:
         time, on copies of their states; False (and a warning) where it fails. A few layers at a time:
         through a random model's depth the int8 routes' rounding compounds (a random 130M Q8_0 Mamba's last
         states differed by 0.22 of their largest magnitude between the compiled step and its own function
-        run eagerly)."""
+        run eagerly). The sliced form (``sliced``) is checked at the first call of :data:`SLICED_FROM_ROWS`
+        rows, which makes its slices; where it fails, a warning says so and the op keeps its other forms."""
         if not self._checked:
             self._checked = True
-            n, span = self.n_fields, min(self.span, len(flat) // self.n_fields)
-            kinds: dict[tuple[int | None, ...], list[Any]] = {}
-            for i in range(0, len(flat) - n * span + 1, n):
-                layers = list(flat[i : i + n * span])
-                kind = tuple(_qtype(layers[j + m]) for j in range(0, len(layers), n) for m in self.matrices)
-                kinds.setdefault(kind, layers)
-            forms = [False]
-            if isinstance(head, SmallRows) or any(isinstance(t, SmallRows) for t in flat):
-                forms.append(True)  # many sequences take the packed twins: checked as well
-            try:
-                for layer, packed in ((layer, packed) for layer in kinds.values() for packed in forms):
-                    self.failed = self._compare(x, norm_f, head, eps, layer, packed)
-                    if self.failed is not None:
-                        break
-            except Exception as exc:  # a layout or build this op does not take: the compiled step instead
-                self.failed = exc
+            forms = ["plain"]
+            self._has_twins = isinstance(head, SmallRows) or any(isinstance(t, SmallRows) for t in flat)
+            if self._has_twins:
+                forms.append("packed")  # many sequences take the packed twins: checked as well
+            self.failed = self._first_difference(x, norm_f, head, eps, flat, forms)
             if self.failed is not None:
                 warnings.warn(
                     f"rsmem: the C++ decode step {self.op} is not used: {self.failed}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        if (
+            self.failed is None
+            and self.sliced
+            and x.shape[0] >= SLICED_FROM_ROWS
+            and not self._sliced_checked
+        ):
+            self._sliced_checked = True
+            problem = (
+                self._first_difference(x, norm_f, head, eps, flat, ["sliced"]) if self._has_twins else None
+            )
+            if problem is not None or not self._has_twins:
+                self.sliced = False
+            if problem is not None:
+                warnings.warn(
+                    f"rsmem: the C++ decode step {self.op} keeps its products off sliced matrices: {problem}",
                     RuntimeWarning,
                     stacklevel=3,
                 )
