@@ -18,6 +18,8 @@ from rsmem.batch.batch import UBatch
 if TYPE_CHECKING:
     from rsmem.memory.recurrent import RecurrentMemory
 
+NO_ROWS = torch.empty(0, dtype=torch.long)  # no rows to move (only read, never written)
+
 
 class MemoryStatus(enum.Enum):
     SUCCESS = 0
@@ -45,7 +47,8 @@ class RecurrentMemoryContext:
         self._applied = -1  # the micro-batch apply() placed last
         self._final_pos: dict[int, int] | None = None  # each sequence's last position in the batch
         self._copy_index: torch.Tensor | None = None
-        self._moved_dst = self._moved_src = torch.empty(0, dtype=torch.long)  # rows to move, and from where
+        self._moves_staged = False  # _stage_moves has run for the current micro-batch
+        self._moved_dst = self._moved_src = NO_ROWS  # rows to move, and from where
         self._zero_needed = False  # some cell reads the zero row rs_z
         self._staged: set[int] = set()  # layers whose staged moves the current micro-batch has done
 
@@ -59,6 +62,7 @@ class RecurrentMemoryContext:
             rollback.after_ubatch(self.memory, self.ubatches[self._i], self.final_positions())
         self._i += 1
         self._copy_index = None
+        self._moves_staged = False
         self._staged.clear()
         return self._i < len(self.ubatches)
 
@@ -69,6 +73,7 @@ class RecurrentMemoryContext:
         if not self.ubatches:  # an update (NO_UPDATE) or a full context: nothing to place
             return True
         self._copy_index = None
+        self._moves_staged = False
         self._staged.clear()
         if self.memory.rollback is not None:
             self.memory.rollback.before_ubatch(self.memory, self.ubatches[self._i])
@@ -114,14 +119,28 @@ class RecurrentMemoryContext:
     def copy_index(self) -> torch.Tensor:
         """``s_copy(i)`` for every ``i < n_rs``, as an index tensor (built once per micro-batch)."""
         if self._copy_index is None:
-            src0 = [self.s_copy(i) for i in range(self.n_rs)]
-            moved = [i for i, src in enumerate(src0) if src != self.head + i]
+            self._stage_moves()
+            device = self.memory.device
+            self._copy_index = torch.tensor(
+                [self.s_copy(i) for i in range(self.n_rs)], dtype=torch.long, device=device
+            )
+        return self._copy_index
+
+    def _stage_moves(self) -> None:
+        """The rows ``read_states`` moves (each cell whose source row is not its own) and whether a cell
+        reads the zero row, once per micro-batch; no tensor when nothing moves (steady decode)."""
+        if self._moves_staged:
+            return
+        self._moves_staged = True
+        src0 = [self.s_copy(i) for i in range(self.n_rs)]
+        moved = [i for i, src in enumerate(src0) if src != self.head + i]
+        self._zero_needed = self.rs_z >= 0 and self.rs_z in src0
+        if moved:
             device = self.memory.device
             self._moved_dst = torch.tensor([self.head + i for i in moved], dtype=torch.long, device=device)
             self._moved_src = torch.tensor([src0[i] for i in moved], dtype=torch.long, device=device)
-            self._zero_needed = self.rs_z >= 0 and self.rs_z in src0
-            self._copy_index = torch.tensor(src0, dtype=torch.long, device=device)
-        return self._copy_index
+        else:
+            self._moved_dst = self._moved_src = NO_ROWS
 
     # -------------------------------------------------- state gather/scatter
 
@@ -144,7 +163,7 @@ class RecurrentMemoryContext:
         if il in self._staged:
             return r[head : head + n_seqs], s[head : head + n_seqs]
         self._staged.add(il)
-        self.copy_index()
+        self._stage_moves()
         if self._zero_needed:
             r[self.rs_z].zero_()
             s[self.rs_z].zero_()
@@ -169,6 +188,10 @@ class RecurrentMemoryContext:
         """
         r, s = self._layer(il)
         n_seqs, head = self.ubatch.n_seqs, self.head
-        for dst, out in ((r[head : head + n_seqs], r_out), (s[head : head + n_seqs], s_out)):
-            if out.data_ptr() != dst.data_ptr() or out.dtype != dst.dtype:
-                dst.copy_(out.reshape(dst.shape))
+        for whole, out in ((r, r_out), (s, s_out)):
+            # the rows' own views (compared by address first: a decode step calls this for every layer)
+            at = whole.data_ptr() + head * whole.stride(0) * whole.element_size()
+            if out.data_ptr() == at and out.dtype == whole.dtype:
+                continue
+            dst = whole[head : head + n_seqs]
+            dst.copy_(out.reshape(dst.shape))

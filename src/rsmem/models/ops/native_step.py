@@ -20,6 +20,7 @@ model keeps its compiled step (nothing was written).
 from __future__ import annotations
 
 import itertools
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -110,6 +111,22 @@ def row_slices(plain: torch.Tensor, n: int) -> list[torch.Tensor]:
     ]
 
 
+def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether ``a`` and ``b`` hold the very same objects in order."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _getter(positions: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """The items of a sequence at ``positions``, as a tuple (``operator.itemgetter``, whose one-position form
+    gives the item alone)."""
+    if len(positions) == 1:
+        at = positions[0]
+        return lambda seq: (seq[at],)
+    if not positions:
+        return lambda seq: ()
+    return operator.itemgetter(*positions)
+
+
 def difference(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest ``|a - b|`` relative to ``b``'s largest magnitude (inf for other shapes or non-finite
     values)."""
@@ -155,11 +172,13 @@ class NativeStep:
         self._checked = False
         self._sliced_checked = False
         self._has_twins = False  # any float32 matrix with a packed twin (set by the first check)
-        # form (layers packed, head packed, sliced) -> (ids of the weights, the op's weight operands, slices)
+        # form (layers packed, head packed, sliced) -> (the head and layer weights it was made of, the op's
+        # weight operands, slices)
         self._cache: dict[
             tuple[bool, bool, bool],
-            tuple[tuple[int, ...], list[torch.Tensor], list[int], torch.Tensor, int, list[torch.Tensor]],
+            tuple[tuple[Any, ...], list[torch.Tensor], list[int], torch.Tensor, int, list[torch.Tensor]],
         ] = {}
+        self._picker_cache: dict[int, tuple[Callable[[Sequence[Any]], tuple[Any, ...]], ...]] = {}
         # id(plain matrix) -> (that matrix, its row slices), made at the first sliced call
         self._slices: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.n_slices = 0
@@ -183,16 +202,27 @@ class NativeStep:
         if self.failed is not None or self.ops() is None:
             return False
         n = self.n_fields
-        weights = (head, *(t for i, t in enumerate(flat) if i % n < n - 2))
-        if len(weights) != len(self._accepted) or any(a is not b for a, b in zip(weights, self._accepted)):
+        pick_weights, pick_states = self._pickers(len(flat))
+        weights = (head, *pick_weights(flat))
+        if not _same(weights, self._accepted):
             if native_matrix(head) is None:
                 return False
             for i in range(0, len(flat), n):
                 if any(native_matrix(flat[i + m]) is None for m in self.matrices):
                     return False
             self._accepted = weights
-        states = (s for i, s in enumerate(flat) if i % n >= n - 2)
-        return all(s.dtype == torch.float32 and s.is_contiguous() for s in states)
+        return all(s.dtype == torch.float32 and s.is_contiguous() for s in pick_states(flat))
+
+    def _pickers(self, size: int) -> tuple[Callable[[Sequence[Any]], tuple[Any, ...]], ...]:
+        """For ``flat`` of ``size`` tensors: the getters of its weights (every layer's tensors but its two
+        states) and of its states, each as a tuple in order (C-level: a step calls them with ~400 tensors)."""
+        pickers = self._picker_cache.get(size)
+        if pickers is None:
+            n = self.n_fields
+            weights = [i for i in range(size) if i % n < n - 2]
+            states = [i for i in range(size) if i % n >= n - 2]
+            pickers = self._picker_cache[size] = (_getter(weights), _getter(states))
+        return pickers
 
     def _build(
         self, head: Any, flat: Sequence[Any], packed: bool = False, packed_head: bool | None = None
@@ -249,10 +279,10 @@ class NativeStep:
     ) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int, list[torch.Tensor]]:
         """:meth:`_build` (:meth:`_build_sliced` when ``sliced``) and the op's slices, the weights' part kept
         between calls (the model's matrices do not change), the states this call's."""
-        key = tuple(id(t) for i, t in enumerate(flat) if i % self.n_fields < self.n_fields - 2)
+        key = (head, *self._pickers(len(flat))[0](flat))
         form = (packed, packed_head, sliced)
         cached = self._cache.get(form)
-        if cached is None or cached[0] != key:
+        if cached is None or not _same(cached[0], key):
             built = (
                 self._build_sliced(head, flat)
                 if sliced
