@@ -47,7 +47,7 @@ class RecurrentMemoryContext:
         self._applied = -1  # the micro-batch apply() placed last
         self._final_pos: dict[int, int] | None = None  # each sequence's last position in the batch
         self._copy_index: torch.Tensor | None = None
-        self._moves_staged = False  # _stage_moves has run for the current micro-batch
+        self._src0: list[int] | None = None  # s_copy(i) of every cell, once _stage_moves has run
         self._moved_dst = self._moved_src = NO_ROWS  # rows to move, and from where
         self._zero_needed = False  # some cell reads the zero row rs_z
         self._staged: set[int] = set()  # layers whose staged moves the current micro-batch has done
@@ -62,7 +62,7 @@ class RecurrentMemoryContext:
             rollback.after_ubatch(self.memory, self.ubatches[self._i], self.final_positions())
         self._i += 1
         self._copy_index = None
-        self._moves_staged = False
+        self._src0 = None
         self._staged.clear()
         return self._i < len(self.ubatches)
 
@@ -73,7 +73,7 @@ class RecurrentMemoryContext:
         if not self.ubatches:  # an update (NO_UPDATE) or a full context: nothing to place
             return True
         self._copy_index = None
-        self._moves_staged = False
+        self._src0 = None
         self._staged.clear()
         if self.memory.rollback is not None:
             self.memory.rollback.before_ubatch(self.memory, self.ubatches[self._i])
@@ -119,20 +119,16 @@ class RecurrentMemoryContext:
     def copy_index(self) -> torch.Tensor:
         """``s_copy(i)`` for every ``i < n_rs``, as an index tensor (built once per micro-batch)."""
         if self._copy_index is None:
-            self._stage_moves()
-            device = self.memory.device
-            self._copy_index = torch.tensor(
-                [self.s_copy(i) for i in range(self.n_rs)], dtype=torch.long, device=device
-            )
+            self._copy_index = torch.tensor(self._stage_moves(), dtype=torch.long, device=self.memory.device)
         return self._copy_index
 
-    def _stage_moves(self) -> None:
-        """The rows ``read_states`` moves (each cell whose source row is not its own) and whether a cell
-        reads the zero row, once per micro-batch; no tensor when nothing moves (steady decode)."""
-        if self._moves_staged:
-            return
-        self._moves_staged = True
-        src0 = [self.s_copy(i) for i in range(self.n_rs)]
+    def _stage_moves(self) -> list[int]:
+        """``s_copy(i)`` for every ``i < n_rs``; once per micro-batch, the rows ``read_states`` moves (each
+        cell whose source row is not its own) and whether a cell reads the zero row, as well (no tensor when
+        nothing moves: steady decode)."""
+        if self._src0 is not None:
+            return self._src0
+        src0 = self._src0 = [self.s_copy(i) for i in range(self.n_rs)]
         moved = [i for i, src in enumerate(src0) if src != self.head + i]
         self._zero_needed = self.rs_z >= 0 and self.rs_z in src0
         if moved:
@@ -141,6 +137,7 @@ class RecurrentMemoryContext:
             self._moved_src = torch.tensor([src0[i] for i in moved], dtype=torch.long, device=device)
         else:
             self._moved_dst = self._moved_src = NO_ROWS
+        return src0
 
     # -------------------------------------------------- state gather/scatter
 

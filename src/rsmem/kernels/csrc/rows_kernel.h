@@ -360,6 +360,14 @@ inline at::Tensor packed_product(const at::Tensor& x, const at::Tensor& packed) 
 // OpenMP thread (oneDNN's own two OpenMP threads sleep between products: rsmem's passive wait policy). The
 // RWKV steps take it from 32 rows (rsmem.models.ops.native_step.SLICED_FROM_ROWS).
 inline at::Tensor sliced_product(const at::Tensor& x_in, at::TensorList slices, int64_t N) {
+  // this thread's OpenMP setting at one thread while it lives (a thread's own; the one before restored)
+  struct OneOpenMPThread {
+#if defined(_OPENMP)
+    const int before = omp_get_max_threads();
+    OneOpenMPThread() { omp_set_num_threads(1); }
+    ~OneOpenMPThread() { omp_set_num_threads(before); }
+#endif
+  };
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), S = static_cast<int64_t>(slices.size());
   std::vector<int64_t> start(S + 1, 0);
@@ -367,26 +375,13 @@ inline at::Tensor sliced_product(const at::Tensor& x_in, at::TensorList slices, 
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   pool::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
-#if defined(_OPENMP)
-    const int threads = omp_get_max_threads();
-    omp_set_num_threads(1);  // this thread's own setting (the caller's restored below)
-#endif
-    try {
-      for (int64_t s = s0; s < s1; ++s) {
-        const at::Tensor part = packed_product(x, slices[s]);
-        const float* pp = part.data_ptr<float>();
-        const int64_t n = start[s + 1] - start[s];
-        for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + start[s], pp + m * n, n * sizeof(float));
-      }
-    } catch (...) {
-#if defined(_OPENMP)
-      omp_set_num_threads(threads);
-#endif
-      throw;
+    const OneOpenMPThread one;
+    for (int64_t s = s0; s < s1; ++s) {
+      const at::Tensor part = packed_product(x, slices[s]);
+      const float* pp = part.data_ptr<float>();
+      const int64_t n = start[s + 1] - start[s];
+      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + start[s], pp + m * n, n * sizeof(float));
     }
-#if defined(_OPENMP)
-    omp_set_num_threads(threads);
-#endif
   });
   return y;
 }

@@ -224,21 +224,33 @@ class NativeStep:
             pickers = self._picker_cache[size] = (_getter(weights), _getter(states))
         return pickers
 
+    def _assemble(
+        self,
+        head: Any,
+        flat: Sequence[Any],
+        take: Callable[[Any], tuple[torch.Tensor, int]],
+        take_head: Callable[[Any], tuple[torch.Tensor, int]],
+    ) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int]:
+        """The op's layer tensors, every matrix as ``take`` gives it with its qtype, and the head as
+        ``take_head`` gives it."""
+        tensors, qtypes = [], []
+        for i, t in enumerate(flat):
+            if i % self.n_fields in self.matrices:
+                w, q = take(t)
+                tensors.append(w)
+                qtypes.append(q)
+            else:
+                tensors.append(t)
+        head_w, head_q = take_head(head)
+        return tensors, qtypes, head_w, head_q
+
     def _build(
         self, head: Any, flat: Sequence[Any], packed: bool = False, packed_head: bool | None = None
     ) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int]:
         """The op's layer tensors (matrices as :func:`native_matrix` gives them, ``packed`` or not) and
         qtypes, and the head (``packed_head`` or not; None: as the layers)."""
-        tensors, qtypes = [], []
-        for i, t in enumerate(flat):
-            if i % self.n_fields in self.matrices:
-                w, q = _taken(t, packed)
-                tensors.append(w)
-                qtypes.append(q)
-            else:
-                tensors.append(t)
-        head_w, head_q = _taken(head, packed if packed_head is None else packed_head)
-        return tensors, qtypes, head_w, head_q
+        head_packed = packed if packed_head is None else packed_head
+        return self._assemble(head, flat, lambda m: _taken(m, packed), lambda m: _taken(m, head_packed))
 
     def _build_sliced(
         self, head: Any, flat: Sequence[Any]
@@ -249,7 +261,7 @@ class NativeStep:
         if not self.n_slices:
             self.n_slices = max(1, torch.get_num_threads())
         n, blank = self.n_slices, torch.empty(0)
-        tensors, qtypes, slices = [], [], []
+        slices: list[torch.Tensor] = []
 
         def take(matrix: Any) -> tuple[torch.Tensor, int]:
             if not isinstance(matrix, SmallRows):
@@ -264,15 +276,7 @@ class NativeStep:
             slices.extend(entry[1])
             return matrix.plain, SLICED_F32
 
-        for i, t in enumerate(flat):
-            if i % self.n_fields in self.matrices:
-                w, q = take(t)
-                tensors.append(w)
-                qtypes.append(q)
-            else:
-                tensors.append(t)
-        head_w, head_q = take(head)
-        return tensors, qtypes, head_w, head_q, slices
+        return (*self._assemble(head, flat, take, take), slices)
 
     def _operands(
         self, head: Any, flat: Sequence[Any], packed: bool, packed_head: bool, sliced: bool = False
