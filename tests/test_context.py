@@ -201,6 +201,29 @@ def test_steady_decode_reads_states_without_copying():
     assert s.data_ptr() == ctx.memory.s_l[0][mctx.head].data_ptr()
 
 
+def test_steady_decode_reads_the_same_views_step_after_step():
+    """read_states hands out the very same view objects while a step's placement is the last one's (what
+    lets a model keep what it built from them); another placement gets views of its own rows."""
+    model, ctx = toy_context(n_seq_max=3)
+    ctx.decode(Batch.from_sequences({0: [1], 1: [2]}))
+
+    def placed(seqs: dict[int, list[int]]) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
+        balloc = BatchAllocator()
+        balloc.init(Batch.from_sequences(seqs), n_vocab=32, n_seq_max=3, memory=ctx.memory)
+        mctx = ctx.memory.init_batch(balloc, 8)
+        mctx.apply()
+        return mctx.head, mctx.read_states(1)
+
+    head, first = placed({0: [3], 1: [4]})
+    again_head, again = placed({0: [5], 1: [6]})
+    assert again_head == head and again[0] is first[0] and again[1] is first[1]
+    one_head, one = placed({1: [7]})
+    assert one[0] is not first[0] and one[0].shape == (1, ctx.memory.r_l[1].shape[1])
+    assert one[1].data_ptr() == ctx.memory.s_l[1][one_head].data_ptr()
+    _, back = placed({0: [8], 1: [9]})
+    assert back[0] is not one[0] and back[1].data_ptr() == first[1].data_ptr()
+
+
 def test_outputs_of_one_micro_batch_in_order_are_the_models_own_logits():
     """A decode step (one token a sequence, every one an output) keeps the model's logits as they are."""
     model, ctx = toy_context(n_seq_max=3)

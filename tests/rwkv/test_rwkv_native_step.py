@@ -33,13 +33,13 @@ needs_cxx = pytest.mark.skipif(not has_cxx_compiler(), reason="the kernels need 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     calls: list[tuple[str, int]] = []
-    original = NativeStep.__call__
+    original = NativeStep.run
 
     def counted(self, x, *args):  # type: ignore[no-untyped-def]
         calls.append((self.op, x.shape[0]))
         return original(self, x, *args)
 
-    monkeypatch.setattr(NativeStep, "__call__", counted)
+    monkeypatch.setattr(NativeStep, "run", counted)
     return calls
 
 
@@ -111,6 +111,32 @@ def test_native_decode_matches_eager(which: str, tmp_path: Path, monkeypatch: py
         ):
             assert rb.abs().max() > 0
             torch.testing.assert_close(ra, rb, rtol=0, atol=1e-5 * float(rb.abs().max()))
+
+
+@needs_cxx
+@pytest.mark.parametrize("arch", ["rwkv7", "rwkv6"])
+def test_contexts_taking_turns_on_one_model_match_models_of_their_own(arch: str) -> None:
+    """Two contexts decode by turns on one model, whose step keeps what it built from the last step's state
+    rows: each context's logits and states are those of a model that serves it alone (a step that reused
+    the other context's rows would read and write them)."""
+    native_ops()
+    path = FIXTURES / arch / "model-f32.gguf"
+    shared = rsmem.load_model(path, compile=True)
+    turns = [Context(shared, n_seq_max=2) for _ in range(2)]
+    alone = [Context(rsmem.load_model(path, compile=True), n_seq_max=2) for _ in range(2)]
+    for c in range(2):
+        prompt = Batch([3 + c, 9, 27 + c], seq_ids=[[0]] * 3)
+        turns[c].decode(prompt)
+        alone[c].decode(prompt)
+    for k in range(3):
+        for c in range(2):
+            for ctx in (turns[c], alone[c]):
+                ctx.decode(Batch([5 + 7 * k + c], seq_ids=[[0]]))
+            assert torch.equal(turns[c].logits, alone[c].logits)
+    assert shared._native is not None and shared._native.failed is None
+    for c in range(2):
+        assert turns[c].state_seq_get_data(0) == alone[c].state_seq_get_data(0)
+    assert turns[0].state_seq_get_data(0) != turns[1].state_seq_get_data(0)
 
 
 def _step_operands(arch: str, n: int = 3):

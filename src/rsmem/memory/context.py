@@ -21,6 +21,31 @@ if TYPE_CHECKING:
 NO_ROWS = torch.empty(0, dtype=torch.long)  # no rows to move (only read, never written)
 
 
+class RowViews:
+    """Views of rows ``[head, head + n)`` of every layer's state tensors, made once for a placement:
+    step after step of steady decode, ``read_states`` hands out the very same view objects, so a model can
+    keep what it built from them (:class:`~rsmem.models.ops.step_memo.StepMemo`) and rebuild nothing.
+    """
+
+    def __init__(self, r_l: list[torch.Tensor | None], s_l: list[torch.Tensor | None]) -> None:
+        self._r_l, self._s_l = r_l, s_l
+        self._key: tuple[int, int] | None = None
+        self._views: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+
+    def rows(self, il: int, head: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``il``'s ``(r, s)`` rows ``[head, head + n)``; ValueError for a layer without states."""
+        key = (head, n)
+        if key != self._key:
+            self._key, self._views = key, [None] * len(self._r_l)
+        views = self._views[il]
+        if views is None:
+            r, s = self._r_l[il], self._s_l[il]
+            if r is None or s is None:
+                raise ValueError(f"layer {il} has no recurrent state in this memory")
+            views = self._views[il] = (r[head : head + n], s[head : head + n])
+        return views
+
+
 class MemoryStatus(enum.Enum):
     SUCCESS = 0
     NO_UPDATE = 1
@@ -155,12 +180,12 @@ class RecurrentMemoryContext:
         a micro-batch run as several column slices (``rsmem.memory.capture``) reads, in each later slice,
         the states the slice before wrote.
         """
-        r, s = self._layer(il)
-        n_seqs, head = self.ubatch.n_seqs, self.head
+        rows = self.memory.row_views.rows(il, self.head, self.ubatch.n_seqs)
         if il in self._staged:
-            return r[head : head + n_seqs], s[head : head + n_seqs]
+            return rows
         self._staged.add(il)
         self._stage_moves()
+        r, s = self._layer(il)
         if self._zero_needed:
             r[self.rs_z].zero_()
             s[self.rs_z].zero_()
@@ -169,7 +194,7 @@ class RecurrentMemoryContext:
             s_src = s.index_select(0, self._moved_src)
             r.index_copy_(0, self._moved_dst, r_src)
             s.index_copy_(0, self._moved_dst, s_src)
-        return r[head : head + n_seqs], s[head : head + n_seqs]
+        return rows
 
     def _layer(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
         r, s = self.memory.r_l[il], self.memory.s_l[il]
@@ -183,12 +208,8 @@ class RecurrentMemoryContext:
         Outputs that already are those rows (a model that updated the views of ``read_states`` in
         place) are left alone.
         """
-        r, s = self._layer(il)
-        n_seqs, head = self.ubatch.n_seqs, self.head
-        for whole, out in ((r, r_out), (s, s_out)):
-            # the rows' own views (compared by address first: a decode step calls this for every layer)
-            at = whole.data_ptr() + head * whole.stride(0) * whole.element_size()
-            if out.data_ptr() == at and out.dtype == whole.dtype:
-                continue
-            dst = whole[head : head + n_seqs]
+        rows = self.memory.row_views.rows(il, self.head, self.ubatch.n_seqs)
+        for dst, out in zip(rows, (r_out, s_out), strict=True):
+            if out.data_ptr() == dst.data_ptr() and out.dtype == dst.dtype:
+                continue  # the rows' own views (updated in place)
             dst.copy_(out.reshape(dst.shape))

@@ -24,7 +24,7 @@ from rsmem.batch.batch import UBatch
 from rsmem.errors import UnknownSequenceError
 from rsmem.hugepages import huge_page_zeros
 from rsmem.memory.cells import CellTable
-from rsmem.memory.context import MemoryStatus, RecurrentMemoryContext
+from rsmem.memory.context import MemoryStatus, RecurrentMemoryContext, RowViews
 from rsmem.memory.rollback import RollbackHistory
 
 POS_MAX = 2**31 - 1  # llama_pos is int32; p1 < 0 means "to the end"
@@ -73,6 +73,7 @@ class RecurrentMemory:
         self.s_l: list[torch.Tensor | None] = [None] * shape.n_layer
         for k, il in enumerate(kept):
             self.r_l[il], self.s_l[il] = rows[2 * k], rows[2 * k + 1]
+        self.row_views = RowViews(self.r_l, self.s_l)  # what read_states hands out
         self.cells = CellTable.empty(self.size)
         self.head = 0
         self.used = 0

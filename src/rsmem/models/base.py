@@ -24,6 +24,7 @@ from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.ops.quantized import Matrix, QuantMatrix, as_float32, embed
 from rsmem.models.ops.small_rows import SmallRows, many_operand, one_operand
+from rsmem.models.ops.step_memo import StepMemo
 from rsmem.models.protocol import StateAccess
 
 if TYPE_CHECKING:
@@ -101,6 +102,7 @@ class MambaFamilyModel:
         self._one_args: tuple[Any, list[tuple[Any, ...]]] | None = None
         self._many_args: tuple[Any, list[tuple[Any, ...]]] | None = None
         self._native = self.native_step()
+        self._flat_memo: StepMemo[list[Any]] = StepMemo()  # the steps' flat operands (steady decode)
         self.set_compile(compile)
 
     def _to_huge_pages(self) -> None:
@@ -274,23 +276,40 @@ class MambaFamilyModel:
         eps = self.config.eps
         x = embed(self.embedding, tokens)  # [Bs, d_model]
         n_seqs = x.shape[0]
-        views = [self.state_views(*states.read_states(il), n_seqs) for il in range(self.n_layer)]
+        rows = [states.read_states(il) for il in range(self.n_layer)]
         native, logits = self._native, None
         if native is not None and native.usable(n_seqs) and self._rows_contiguous:
             head, weights = self.one_sequence_args()
-            flat = [t for w, v in zip(weights, views, strict=True) for t in (*w, *v)]
+            flat = self.step_flat(weights, rows)
             if native.accepts(head, flat) and native.check(x, self.norm_f, head, eps, flat):
-                logits = native(x, self.norm_f, head, eps, *flat)
+                logits = native.run(x, self.norm_f, head, eps, flat)
         if logits is None:  # no C++ step, its check failed, or an operand it does not take
             step, head, weights = self._step_for(n_seqs)
-            flat = [t for w, v in zip(weights, views, strict=True) for t in (*w, *v)]
+            flat = self.step_flat(weights, rows)
             logits = step(x, self.norm_f, head, eps, *flat)
-        for il, (window, h) in enumerate(views):
-            states.write_states(il, window, h)
-        rows = ubatch.output_rows()
-        if len(rows) == n_seqs:
+        per_layer = len(flat) // self.n_layer
+        for il in range(self.n_layer):
+            states.write_states(il, flat[(il + 1) * per_layer - 2], flat[(il + 1) * per_layer - 1])
+        wanted = ubatch.output_rows()
+        if len(wanted) == n_seqs:
             return logits
-        return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+        return logits.index_select(0, torch.tensor(wanted, dtype=torch.long, device=logits.device))
+
+    def step_flat(
+        self, weights: list[tuple[Any, ...]], rows: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[Any]:
+        """Each layer's ``weights`` then its ``(window, h)`` (:meth:`state_views` of its state ``rows``), as
+        one list; kept while the rows are the same float32 views (:class:`StepMemo`; other rows' float32
+        copies are made afresh, from what the memory holds)."""
+        n_seqs = rows[0][0].shape[0]
+
+        def build() -> list[Any]:
+            views = [self.state_views(r, s, n_seqs) for r, s in rows]
+            return [t for w, v in zip(weights, views, strict=True) for t in (*w, *v)]
+
+        if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows):
+            return build()
+        return self._flat_memo.get((weights, *rows), build)
 
     def _step_for(self, n_seqs: int) -> tuple[Callable[..., torch.Tensor], Any, list[tuple[Any, ...]]]:
         """``(step, head, each layer's weights)`` of the compiled step for ``n_seqs`` sequences; when not

@@ -26,6 +26,7 @@ from rsmem.models.ops.native_step import NativeStep
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.packed import HeldMatrices
 from rsmem.models.ops.small_rows import SmallRows, many_operand, one_operand
+from rsmem.models.ops.step_memo import StepMemo
 from rsmem.models.ops.wkv_many import MANY_OPTIONS
 from rsmem.models.protocol import StateAccess
 
@@ -141,6 +142,7 @@ class RwkvModelBase:
         self.compile_decode = False
         self._steps_made = False
         self._native: NativeStep | None = None
+        self._flat_memo: StepMemo[list[Any]] = StepMemo()  # the steps' flat operands (steady decode)
         # the WKV kernel's within-chunk part compiled for prefill (made with the compiled steps)
         self.wkv_intra: CompiledStep[tuple[torch.Tensor, ...]] | None = None
         self.set_compile(compile)
@@ -237,14 +239,19 @@ class RwkvModelBase:
         """The step's arguments after ``lm_head``, before the layers' tensors."""
         raise NotImplementedError
 
-    @staticmethod
-    def float32_rows(states: StateAccess, n_layer: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Every layer's state rows, or None when any is not float32 (the compiled steps take float32 only;
-        reading them again on the eager path is harmless)."""
-        rows = [states.read_states(il) for il in range(n_layer)]
-        if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows):
-            return None
-        return rows
+    def step_flat(self, fields: list[list[Any]], rows: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
+        """Each layer's ``fields`` then its float32 state ``rows`` shaped as the steps take them, as one list;
+        kept while the rows are the same views (:class:`StepMemo`)."""
+
+        def build() -> list[Any]:
+            cfg, n_seqs = self.config, rows[0][0].shape[0]
+            views = [
+                (r.view(n_seqs, 2, cfg.d_model), s.view(n_seqs, cfg.n_head, cfg.head_size, cfg.head_size))
+                for r, s in rows
+            ]
+            return [t for f, v in zip(fields, views, strict=True) for t in (*f, *v)]
+
+        return self._flat_memo.get((fields, *rows), build)
 
     def decode_one(self, token: torch.Tensor, states: StateAccess) -> torch.Tensor | None:
         """One token of one sequence through the compiled step; None (nothing written) when the state rows
@@ -267,24 +274,18 @@ class RwkvModelBase:
         """Logits ``[Bs, n_vocab]`` of ``step`` on one token of each sequence (``tokens`` ``[Bs]``), with
         each layer's ``fields`` and its state rows, which it updates."""
         cfg = self.config
-        rows = self.float32_rows(states, self.n_layer)
-        if rows is None:
-            return None
-        n_seqs = tokens.shape[0]
-        views = [
-            (r.view(n_seqs, 2, cfg.d_model), s.view(n_seqs, cfg.n_head, cfg.head_size, cfg.head_size))
-            for r, s in rows
-        ]
+        rows = [states.read_states(il) for il in range(self.n_layer)]
+        if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows):
+            return None  # the compiled steps take float32 only
         x = self.embedding[tokens]
         logits = None
         native = self._native
-        if native is not None and native.usable(n_seqs):  # the C++ step takes the one-sequence operands
-            flat = [t for f, v in zip(self._fields_one, views, strict=True) for t in (*f, *v)]
-            head = self._head_one
+        if native is not None and native.usable(x.shape[0]):  # the C++ step takes the one-sequence operands
+            flat, head = self.step_flat(self._fields_one, rows), self._head_one
             if native.accepts(head, flat) and native.check(x, self.norm_f, head, cfg.eps, flat):
-                logits = native(x, self.norm_f, head, cfg.eps, *flat)
+                logits = native.run(x, self.norm_f, head, cfg.eps, flat)
         if logits is None:  # no C++ step, its check failed, or an operand it does not take
-            flat = [t for f, v in zip(fields, views, strict=True) for t in (*f, *v)]
+            flat = self.step_flat(fields, rows)
             logits = step(
                 x,
                 self.emb_norm,
