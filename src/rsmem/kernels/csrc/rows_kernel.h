@@ -313,33 +313,68 @@ RangeFn<W> range_fn(int64_t mb) {
 // own prefetches, as for the first tile)
 constexpr int64_t kSpreadFromGroups = 4;
 
+// Rows [n0, n1) of y [M, N] (row stride N) = x [M, K] (row stride ldx) @ w [N, K]^T (row stride ldw) on this
+// thread. Each output row's sums are taken in the same order whatever range it falls in.
+template <class W>
+void product_range(const float* x, int64_t ldx, const typename W::T* w, int64_t ldw, int64_t M, int64_t N,
+                   int64_t K, float* y, int64_t n0, int64_t n1) {
+  const int64_t groups = (M + kMaxRows - 1) / kMaxRows;
+  const bool spread = groups >= kSpreadFromGroups;
+  // one group of rows streams the whole range; more groups take it a tile at a time, the tile's weight
+  // rows read from memory by the first group and from cache by the others
+  const int64_t tile = groups == 1 ? n1 - n0 : kTile;
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(t0 + tile, n1), next_end = std::min(t1 + tile, n1);
+    const int64_t share = groups == 1 ? 0 : (next_end - t1 + groups - 2) / (groups - 1);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t m0 = g * kMaxRows, mb = std::min(kMaxRows, M - m0);
+      Prefetch pf;  // none for a single row: its loop is bound by memory, the hardware prefetcher leads
+      if (g == 0 && M > 1) {
+        pf.ahead = true;
+        pf.end = !spread ? n1 : t0 == n0 ? t1 : 0;
+      } else if (g > 0 && spread) {
+        pf.from = std::min(t1 + (g - 1) * share, next_end);
+        pf.end = std::min(pf.from + share, next_end);
+      }
+      range_fn<W>(mb)(w, ldw, x + m0 * ldx, ldx, K, y + m0 * N, N, t0, t1, pf);
+    }
+  }
+}
+
 // y [M, N] (row stride N) = x [M, K] (row stride ldx) @ w [N, K]^T (row stride ldw), M, N, K > 0.
 template <class W>
 void product(const float* x, int64_t ldx, const typename W::T* w, int64_t ldw, int64_t M, int64_t N, int64_t K,
              float* y) {
   const int64_t grain =
       std::max<int64_t>(16, kMinBytesPerThread / (static_cast<int64_t>(sizeof(typename W::T)) * K));
-  const int64_t groups = (M + kMaxRows - 1) / kMaxRows;
-  const bool spread = groups >= kSpreadFromGroups;
-  pool::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    // one group of rows streams the whole range; more groups take it a tile at a time, the tile's weight
-    // rows read from memory by the first group and from cache by the others
-    const int64_t tile = groups == 1 ? n1 - n0 : kTile;
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(t0 + tile, n1), next_end = std::min(t1 + tile, n1);
-      const int64_t share = groups == 1 ? 0 : (next_end - t1 + groups - 2) / (groups - 1);
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t m0 = g * kMaxRows, mb = std::min(kMaxRows, M - m0);
-        Prefetch pf;  // none for a single row: its loop is bound by memory, the hardware prefetcher leads
-        if (g == 0 && M > 1) {
-          pf.ahead = true;
-          pf.end = !spread ? n1 : t0 == n0 ? t1 : 0;
-        } else if (g > 0 && spread) {
-          pf.from = std::min(t1 + (g - 1) * share, next_end);
-          pf.end = std::min(pf.from + share, next_end);
-        }
-        range_fn<W>(mb)(w, ldw, x + m0 * ldx, ldx, K, y + m0 * N, N, t0, t1, pf);
-      }
+  pool::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { product_range<W>(x, ldx, w, ldw, M, N, K, y, n0, n1); });
+}
+
+// One of products()'s float32 products: y [M, N] (row stride N) = x [M, K] (row stride ldx) @ w [N, K]^T
+// (row stride ldw)
+struct Job {
+  const float* x;
+  int64_t ldx;
+  const float* w;
+  int64_t ldw, N, K;
+  float* y;
+};
+
+// Independent products of the same M activation rows in one parallel region: their weights' values laid end
+// to end and shared between rsmem's workers (row r of job j goes to the range holding its first value),
+// so that small products (a low-rank matrix's 200 KB) run on every thread beside the big ones instead of on
+// one thread each, and a step hands off once for them all. Each row's sums are product()'s.
+inline void products(const std::vector<Job>& jobs, int64_t M) {
+  std::vector<int64_t> start(jobs.size() + 1, 0);
+  for (size_t j = 0; j < jobs.size(); ++j) start[j + 1] = start[j] + jobs[j].N * jobs[j].K;
+  const int64_t grain = kMinBytesPerThread / static_cast<int64_t>(sizeof(float));
+  pool::parallel_for(0, start.back(), grain, [&](int64_t b0, int64_t b1) {
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const Job& jb = jobs[j];
+      // the rows whose first value lies in [b0, b1)
+      const int64_t lo = std::clamp<int64_t>((b0 - start[j] + jb.K - 1) / jb.K, 0, jb.N);
+      const int64_t hi = std::clamp<int64_t>((b1 - start[j] + jb.K - 1) / jb.K, 0, jb.N);
+      if (lo < hi) product_range<F32W>(jb.x, jb.ldx, jb.w, jb.ldw, M, jb.N, jb.K, jb.y, lo, hi);
     }
   });
 }

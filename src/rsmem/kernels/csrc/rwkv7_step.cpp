@@ -95,6 +95,59 @@ void wkv7(float* S, const float* r, const float* w, const float* k, const float*
   });
 }
 
+// A layer's products of its six mixed inputs: r, k, v and the low-rank terms dw (tanh between the factors),
+// da, dv (none in the first layer) and g (sigmoid between them)
+struct MixProducts {
+  at::Tensor r, k, v, dw, da, dv, g;
+};
+
+MixProducts mix_products(const at::Tensor* t, const int64_t* q, const at::Tensor& mix, bool first,
+                         const step::Slices& sl, int64_t j) {
+  const int64_t M = mix.size(1), C = mix.size(2);
+  MixProducts o;
+  if (M >= step::kLowRankRows || q[0] != -1 || q[1] != -1 || q[2] != -1) {
+    auto part = [&](int i) { return mix[i]; };  // [M, C]
+    o.r = product(part(0), t[19], q[0], sl.of(j + 0));
+    o.k = product(part(2), t[20], q[1], sl.of(j + 1));
+    o.v = product(part(3), t[21], q[2], sl.of(j + 2));
+    o.dw = lora(step::map_(lora(part(1), t[6]), step::tanh_), t[7]);
+    o.da = lora(lora(part(4), t[9]), t[10]);
+    o.g = lora(step::map_(lora(part(5), t[14]), sigmoid), t[15]);
+    if (!first) o.dv = lora(lora(part(3), t[12]), t[13]);
+    return o;
+  }
+  // Few rows of plain matrices: r, k, v beside the low-rank first factors in one parallel region, then the
+  // second factors in another (rows::products): on one thread each, the 130M model's low-rank products
+  // streamed ~35 GB/s where the big ones on both threads streamed ~50.
+  const auto opts = mix.options();
+  const float* xp = mix.data_ptr<float>();
+  auto out = [&](const at::Tensor& w) { return at::empty({M, w.size(0)}, opts); };
+  auto job = [&](const float* x, const at::Tensor& w, const at::Tensor& y) {
+    return rows::Job{x, w.size(1), w.data_ptr<float>(), w.stride(0), w.size(0), w.size(1), y.data_ptr<float>()};
+  };
+  auto input = [&](int i) { return xp + i * M * C; };
+  o.r = out(t[19]), o.k = out(t[20]), o.v = out(t[21]);
+  at::Tensor w1 = out(t[6]), a1 = out(t[9]), g1 = out(t[14]), v1;
+  std::vector<rows::Job> jobs = {job(input(0), t[19], o.r), job(input(2), t[20], o.k), job(input(3), t[21], o.v),
+                                 job(input(1), t[6], w1),   job(input(4), t[9], a1),   job(input(5), t[14], g1)};
+  if (!first) {
+    v1 = out(t[12]);
+    jobs.push_back(job(input(3), t[12], v1));
+  }
+  rows::products(jobs, M);
+  step::map_(w1, step::tanh_);
+  step::map_(g1, sigmoid);
+  o.dw = out(t[7]), o.da = out(t[10]), o.g = out(t[15]);
+  jobs = {job(w1.data_ptr<float>(), t[7], o.dw), job(a1.data_ptr<float>(), t[10], o.da),
+          job(g1.data_ptr<float>(), t[15], o.g)};
+  if (!first) {
+    o.dv = out(t[13]);
+    jobs.push_back(job(v1.data_ptr<float>(), t[13], o.dv));
+  }
+  rows::products(jobs, M);
+  return o;
+}
+
 at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArrayRef qtypes,
                       const at::Tensor& norm_f, const at::Tensor& head, int64_t head_qtype, double eps,
                       int64_t n_head, const at::Tensor& emb_norm, const at::Tensor& emb_norm_b,
@@ -144,15 +197,9 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         for (int64_t j = 0; j < C; ++j) out[j] = hm[j] + (prev[j] - hm[j]) * lerp[i * C + j];
       }
     });
-    auto part = [&](int i) { return mix[i]; };  // [M, C]
-    at::Tensor r = product(part(0), t[19], q[0], slices_of(0));
-    at::Tensor k = product(part(2), t[20], q[1], slices_of(1));
-    at::Tensor v = product(part(3), t[21], q[2], slices_of(2));
-    const at::Tensor dw = lora(step::map_(lora(part(1), t[6]), step::tanh_), t[7]);
-    const at::Tensor da = lora(lora(part(4), t[9]), t[10]);
-    const at::Tensor g = lora(step::map_(lora(part(5), t[14]), sigmoid), t[15]);
-    at::Tensor dv;
-    if (il > 0) dv = lora(lora(part(3), t[12]), t[13]);
+    const MixProducts mixed = mix_products(t, q, mix, il == 0, sl, il * kQtypes);
+    at::Tensor r = mixed.r, k = mixed.k, v = mixed.v;
+    const at::Tensor dw = mixed.dw, da = mixed.da, g = mixed.g, dv = mixed.dv;
     float *rp = r.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
     const float *dwp = dw.data_ptr<float>(), *dap = da.data_ptr<float>();
     const float *w0 = vec(5), *a0 = vec(8), *k_k = vec(16), *k_a = vec(17), *r_k = vec(18);
