@@ -68,6 +68,39 @@ void check_layer(const at::Tensor* t, const int64_t* q, int64_t M, int64_t C, in
   check_f32(kOp, t[25], M * H * N * N, "wkv");
 }
 
+// r, k, v, g of a layer's mixed inputs (w, k, v, r, g: mix [5, M, C]) and the decay's low-rank term dw (tanh
+// between the factors). Few rows of plain matrices: r, k, v, g beside the low-rank first factor in one
+// parallel region (rows::products; on its own that factor ran on one thread), the second factor after.
+struct MixProducts {
+  at::Tensor r, k, v, g, dw;
+};
+
+MixProducts mix_products(const at::Tensor* t, const int64_t* q, const at::Tensor& mix, const step::Slices& sl,
+                         int64_t j) {
+  const int64_t M = mix.size(1), C = mix.size(2);
+  MixProducts o;
+  if (M >= step::kLowRankRows || q[0] != -1 || q[1] != -1 || q[2] != -1 || q[3] != -1) {
+    auto part = [&](int i) { return mix[i]; };  // [M, C]
+    o.r = product(part(3), t[12], q[0], sl.of(j + 0));
+    o.k = product(part(1), t[13], q[1], sl.of(j + 1));
+    o.v = product(part(2), t[14], q[2], sl.of(j + 2));
+    o.g = product(part(4), t[15], q[3], sl.of(j + 3));
+    o.dw = lora(step::map_(lora(part(0), t[9]), step::tanh_), t[10]);
+    return o;
+  }
+  const float* xp = mix.data_ptr<float>();
+  auto out = [&](const at::Tensor& w) { return at::empty({M, w.size(0)}, mix.options()); };
+  auto job = [&](int i, const at::Tensor& w, const at::Tensor& y) {
+    return rows::Job{xp + i * M * C, C, w.data_ptr<float>(), w.stride(0), w.size(0), C, y.data_ptr<float>()};
+  };
+  o.r = out(t[12]), o.k = out(t[13]), o.v = out(t[14]), o.g = out(t[15]);
+  const at::Tensor w1 = out(t[9]);
+  rows::products({job(3, t[12], o.r), job(1, t[13], o.k), job(2, t[14], o.v), job(4, t[15], o.g), job(0, t[9], w1)},
+                 M);
+  o.dw = lora(step::map_(w1, step::tanh_), t[10]);
+  return o;
+}
+
 // y = S^T r + (r . u k) v, then S = diag(w) S + k v^T, for every (sequence, head): S [N(k), N(v)]
 void wkv6(float* S, const float* r, const float* w, const float* k, const float* v, const float* u, float* y,
           int64_t M, int64_t H, int64_t N) {
@@ -128,8 +161,10 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     const at::Tensor mixer = step::map_(lora(base, t[6]), step::tanh_);  // [M, 5 E]
     const int64_t E = t[6].size(0) / 5;
     const float *mx = mixer.data_ptr<float>(), *w2 = vec(7);
-    step::each_row(M, 5 * C * E, [&](int64_t m) {
-      for (int i = 0; i < 5; ++i) {
+    // each (row, mixed input) a unit of work shared between rsmem's workers (one sequence's five are too)
+    pool::parallel_for(0, M * 5, std::max<int64_t>(1, step::kRowWorkGrain / (C * E)), [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t m = u / 5, i = u % 5;
         const float* me = mx + m * 5 * E + i * E;
         float* out = mp + (i * M + m) * C;
         for (int64_t j = 0; j < C; ++j) {
@@ -142,12 +177,8 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         }
       }
     });
-    auto part = [&](int i) { return mix[i]; };  // w, k, v, r, g: [M, C]
-    const at::Tensor r = product(part(3), t[12], q[0], slices_of(0));
-    const at::Tensor k = product(part(1), t[13], q[1], slices_of(1));
-    const at::Tensor v = product(part(2), t[14], q[2], slices_of(2));
-    at::Tensor g = product(part(4), t[15], q[3], slices_of(3));
-    const at::Tensor dw = lora(step::map_(lora(part(0), t[9]), step::tanh_), t[10]);
+    const MixProducts mixed = mix_products(t, q, mix, sl, il * kQtypes);
+    const at::Tensor &r = mixed.r, &k = mixed.k, &v = mixed.v, &g = mixed.g, &dw = mixed.dw;
     const float *dwp = dw.data_ptr<float>(), *decay = vec(8);
     step::each_row(M, 8 * C, [&](int64_t m) {
       int64_t j = 0;
