@@ -32,6 +32,13 @@ class RowViews:
         self._key: tuple[int, int] | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor] | None] = []
 
+    def layer(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``il``'s whole ``(r, s)`` tensors; ValueError for a layer without states."""
+        r, s = self._r_l[il], self._s_l[il]
+        if r is None or s is None:
+            raise ValueError(f"layer {il} has no recurrent state in this memory")
+        return r, s
+
     def rows(self, il: int, head: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``il``'s ``(r, s)`` rows ``[head, head + n)``; ValueError for a layer without states."""
         key = (head, n)
@@ -39,9 +46,7 @@ class RowViews:
             self._key, self._views = key, [None] * len(self._r_l)
         views = self._views[il]
         if views is None:
-            r, s = self._r_l[il], self._s_l[il]
-            if r is None or s is None:
-                raise ValueError(f"layer {il} has no recurrent state in this memory")
+            r, s = self.layer(il)
             views = self._views[il] = (r[head : head + n], s[head : head + n])
         return views
 
@@ -185,7 +190,7 @@ class RecurrentMemoryContext:
             return rows
         self._staged.add(il)
         self._stage_moves()
-        r, s = self._layer(il)
+        r, s = self.memory.row_views.layer(il)
         if self._zero_needed:
             r[self.rs_z].zero_()
             s[self.rs_z].zero_()
@@ -195,12 +200,6 @@ class RecurrentMemoryContext:
             r.index_copy_(0, self._moved_dst, r_src)
             s.index_copy_(0, self._moved_dst, s_src)
         return rows
-
-    def _layer(self, il: int) -> tuple[torch.Tensor, torch.Tensor]:
-        r, s = self.memory.r_l[il], self.memory.s_l[il]
-        if r is None or s is None:
-            raise ValueError(f"layer {il} has no recurrent state in this memory")
-        return r, s
 
     def write_states(self, il: int, r_out: torch.Tensor, s_out: torch.Tensor) -> None:
         """Store the micro-batch's output states of layer ``il`` in rows ``[head, head + n_seqs)``.

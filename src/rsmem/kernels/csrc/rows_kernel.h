@@ -347,7 +347,8 @@ void product(const float* x, int64_t ldx, const typename W::T* w, int64_t ldw, i
              float* y) {
   const int64_t grain =
       std::max<int64_t>(16, kMinBytesPerThread / (static_cast<int64_t>(sizeof(typename W::T)) * K));
-  pool::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { product_range<W>(x, ldx, w, ldw, M, N, K, y, n0, n1); });
+  pool::parallel_for(0, N, grain,
+                     [&](int64_t n0, int64_t n1) { product_range<W>(x, ldx, w, ldw, M, N, K, y, n0, n1); });
 }
 
 // One of products()'s float32 products: y [M, N] (row stride N) = x [M, K] (row stride ldx) @ w [N, K]^T

@@ -438,7 +438,7 @@ class NativeStep:
         self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, *flat: Any
     ) -> torch.Tensor:
         """The logits ``[n_seqs, n_vocab]``; each layer's window and h updated in place."""
-        return self._run(x, norm_f, head, eps, flat)
+        return self.run(x, norm_f, head, eps, flat)
 
     def run(
         self, x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, flat: Sequence[Any]
