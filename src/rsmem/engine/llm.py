@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 from typing import cast
@@ -12,6 +13,7 @@ from typing import cast
 import torch
 
 from rsmem.context import Context
+from rsmem.engine.dispatch import Dispatcher
 from rsmem.engine.engine import Engine
 from rsmem.engine.request import RequestOutput
 from rsmem.engine.sampling import SamplingParams
@@ -110,6 +112,8 @@ class LLM:
             kv_unified=kv_unified,
         )
         self.engine = Engine(self.context, tokenizer)
+        self._dispatch = Dispatcher(self.engine)
+        self._worker: ThreadPoolExecutor | None = None  # astream's engine thread, made at first use
 
     def generate(
         self,
@@ -119,40 +123,45 @@ class LLM:
         """Generate for every prompt (batched together); outputs in prompt order."""
         one = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
         many = cast(Sequence[Prompt], [prompts] if one else prompts)
-        ids = self.engine.add_requests(many, params)
-        final: dict[str, RequestOutput] = {}
+        ids = self._dispatch.submit(lambda engine: engine.add_requests(many, params))
+        final: list[RequestOutput] = []
         try:
-            for out in self.engine.run_until_done():
-                if out.finished:
-                    final[out.request_id] = out
+            for rid in ids:
+                *_, last = self._dispatch.reports(rid)
+                final.append(last)
         finally:  # interrupted (Ctrl-C): nothing of these requests stays behind
             for rid in ids:
-                self.engine.abort(rid)
-        return [final[i] for i in ids]
+                self._dispatch.close(rid)
+        return final
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Generator[RequestOutput, None, None]:
-        """Reports of one request as it generates; each carries the new text in ``delta_text``."""
-        request_id = self.engine.add_request(prompt, params)
+        """Reports of one request as it generates; each carries the new text in ``delta_text``. Any
+        number of streams (and :meth:`generate` calls) may run at once, interleaved or from other
+        threads: they share the engine's batches, and each gets exactly its own reports."""
+        (request_id,) = self._dispatch.submit(lambda engine: [engine.add_request(prompt, params)])
         try:
-            while self.engine.has_unfinished:
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        yield out
-                        if out.finished:
-                            return
+            yield from self._dispatch.reports(request_id)
         finally:
-            self.engine.abort(request_id)
+            self._dispatch.close(request_id)
 
     async def astream(
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """:meth:`stream` for asyncio: each engine step runs in a worker thread, the loop stays free."""
+        """:meth:`stream` for asyncio: the engine steps on one worker thread of this ``LLM``, the loop
+        stays free; concurrent ``astream`` tasks share its batches."""
         loop = asyncio.get_running_loop()
-        reports = self.stream(prompt, params)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rsmem-engine")
+        worker = self._worker
+        (request_id,) = await loop.run_in_executor(
+            worker, self._dispatch.submit, lambda engine: [engine.add_request(prompt, params)]
+        )
         try:
-            while (out := await loop.run_in_executor(None, next, reports, None)) is not None:
+            while (
+                out := await loop.run_in_executor(worker, self._dispatch.next_report, request_id)
+            ) is not None:
                 yield out
         finally:
-            await loop.run_in_executor(None, reports.close)
+            await loop.run_in_executor(worker, self._dispatch.close, request_id)
