@@ -20,6 +20,10 @@ class NoSlotError(RsmemError):
     """The memory has no room for the batch (llama.cpp's decode returns 1); nothing was changed."""
 
 
+class NoFreeSequenceError(RsmemError, RuntimeError):
+    """Every sequence is taken (by running requests and sessions): a session cannot be opened now."""
+
+
 class UnknownSequenceError(RsmemError, ValueError):
     """A sequence id outside ``[0, n_seq_max)`` was given where one is required."""
 

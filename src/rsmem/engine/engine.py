@@ -256,6 +256,8 @@ class Engine:
         for ``KeyboardInterrupt`` and the like, after failing the interrupted batch's requests.
         """
         self.admission.admit()
+        if self.waiting and not self.running:
+            self._refuse_stranded()
         cap, alone = step_caps(self.prefill_cap, self.step_cost, queued=bool(self.waiting))
         captures = self.reuse.captures
         plan = plan_step(
@@ -332,6 +334,24 @@ class Engine:
         for req in reqs:
             req.suspect = True
             plan_replay(req)
+
+    def _refuse_stranded(self) -> None:
+        """Nothing runs, yet requests wait: those that sessions opened after they were queued leave no
+        room for (too few sequences, or their slot) could never start, and fail now instead of waiting
+        forever."""
+        held = self.pool.held
+        room = self.ctx.n_seq_max - len(held)
+        for req in list(self.waiting):
+            if req.finished or req.session is not None:
+                continue
+            if req.params.n > room or req.slot in held:
+                self.waiting.remove(req)
+                need = f"slot {req.slot}" if req.slot in held else f"{req.params.n} sequences"
+                message = (
+                    f"the request needs {need}, but sessions hold {len(held)} of the {self.ctx.n_seq_max} "
+                    "sequences"
+                )
+                self.lifecycle.fail(req, ErrorKind.REQUEST, message)
 
     # ---------------------------------------------------- sessions and slots
 

@@ -23,7 +23,7 @@ from rsmem.context import Context
 from rsmem.engine.checkpoints import CheckpointCache
 from rsmem.engine.pool import SequencePool
 from rsmem.engine.request import Session
-from rsmem.errors import InvalidRequestError, StateFormatError
+from rsmem.errors import InvalidRequestError, NoFreeSequenceError, StateFormatError
 from rsmem.memory import checkpoint_file as cf
 from rsmem.memory.checkpoint import Checkpoint
 from rsmem.memory.state_io import atomic_write
@@ -49,7 +49,12 @@ class KeptSequences:
 
     def open_session(self, path: str | None = None) -> Session:
         if not self.pool.n_free:
-            raise RuntimeError("no free sequence for a session: every sequence is in use")
+            n_held = len(self.pool.held)
+            raise NoFreeSequenceError(
+                f"no free sequence for a session: sessions hold {n_held} of the {self.pool.n_seq}, "
+                f"requests run in the other {self.pool.n_seq - n_held} (close a session, or make the "
+                "context with more sequences: n_seq_max / --parallel)"
+            )
         seq = self.pool.best_free([])
         self.pool.take(seq, [])
         try:

@@ -93,14 +93,20 @@ def check_placement(
     slot: int | None,
     held: set[int],
 ) -> None:
-    """A session must be open and idle, and generate one completion; a slot must exist and be free of
-    sessions (``held``: the sequences sessions hold)."""
+    """A session must be open and idle, and generate one completion; other requests must fit in the
+    sequences sessions do not hold (``held``); a slot must exist and be free of sessions."""
     if session is not None:
         if params.n != 1:
             raise InvalidRequestError("n", f"must be 1 for a session request, got {params.n}")
         if session.closed or session.busy:
             state = "closed" if session.closed else "busy"
             raise InvalidRequestError("session", f"on sequence {session.seq_id} is {state}")
+    elif params.n > limits.n_seq_max - len(held):
+        raise InvalidRequestError(
+            "n",
+            f"= {params.n} completions need {params.n} sequences, but sessions hold {len(held)} of the "
+            f"{limits.n_seq_max}: the request could never start (close a session first)",
+        )
     if slot is not None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < limits.n_seq_max:
             last = limits.n_seq_max - 1
