@@ -2,7 +2,7 @@
 
 Layout (little-endian)::
 
-    u32 n_stream
+    u32 n_stream                                   (the cache's: one sequence's state lists every stream)
     per stream: u32 cell_count; when > 0:
         per cell: i32 pos, u32 n_seq_id, n_seq_id x i32 seq_id      (one sequence's state: just that id)
                   (a cache with ``cell_ext``: i32 x, i32 y, i32 tok after n_seq_id; x = y = pos for text)
@@ -15,8 +15,8 @@ Layout (little-endian)::
 Cells are written in cell order. Reading is two-phase as in :mod:`rsmem.memory.state_io`: :func:`parse_kv`
 checks every field and decodes the rows (finite, in the cache's dtype) without touching the cache;
 :func:`can_restore_kv` dry-runs the placement; :func:`restore_kv` installs it. Unlike llama.cpp, a state
-with either V layout loads (it is transposed as needed), and F32/F16/BF16 rows load into a cache of any
-of those dtypes.
+with either V layout loads (it is transposed as needed), F32/F16/BF16 rows load into a cache of any of
+those dtypes, and one sequence's state loads into a cache of any stream count (:func:`parse_kv`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from rsmem.errors import NoSlotError, StateFormatError
 from rsmem.memory.kv_cache import KVCache
 from rsmem.memory.kv_cells import KVCells, SlotInfo
 from rsmem.memory.state_io import DTYPE_OF_GGML_TYPE, GGML_TYPE_NAMES, GGML_TYPE_OF_DTYPE, Reader
+
+MAX_STREAMS = 256  # llama.cpp's LLAMA_MAX_SEQ: a cache has at most one stream a sequence
 
 
 @dataclass(slots=True)
@@ -126,21 +128,47 @@ def _parse_rows(reader: Reader, cache: KVCache, il: int, n: int, kind: str, v_tr
     return _decode(reader.take(n * row_bytes, what), dtype, (n, width), cache.dtype, what)
 
 
+def _streams(n: int) -> str:
+    """How a cache of ``n`` streams was made."""
+    if n == 1:
+        return "1 stream (kv_unified, or one sequence)"
+    return f"{n} streams (one for each of {n} sequences, not kv_unified)"
+
+
+def _fix(n: int) -> str:
+    """The settings that make a cache of ``n`` streams."""
+    if n == 1:
+        return "load it with kv_unified / --kv-unified, or n_seq_max / -np 1"
+    return f"load it with n_seq_max / -np {n}, without kv_unified / --kv-unified"
+
+
 def parse_kv(reader: Reader, cache: KVCache, dest_seq: int) -> list[KVStream]:
     """Decode and check the KV part against ``cache``: one sequence's (``dest_seq >= 0``) or the whole
-    cache's. Raises StateFormatError; changes nothing."""
+    cache's. Raises StateFormatError; changes nothing.
+
+    A sequence's state has the cells of one stream (llama.cpp writes every stream of its cache, the others
+    empty): they go to ``dest_seq``'s stream whatever the two caches' stream counts, so a sequence file
+    moves between contexts of any ``n_seq_max`` and ``kv_unified``, where llama.cpp requires the same
+    stream count. A whole cache's state needs as many streams as it was saved with."""
     n_stream = reader.u32("KV stream count")
-    if n_stream != cache.n_stream:
+    if dest_seq < 0 and n_stream != cache.n_stream:
         raise StateFormatError(
-            f"KV state has {n_stream} streams, this cache {cache.n_stream} (kv_unified differs)"
+            f"the state's KV cache has {_streams(n_stream)}, this one {_streams(cache.n_stream)}: a whole "
+            f"context's state loads only into as many streams ({_fix(n_stream)})"
         )
+    if not 1 <= n_stream <= MAX_STREAMS:
+        raise StateFormatError(f"KV stream count {n_stream} is outside [1, {MAX_STREAMS}]")
     streams = []
     for st in range(n_stream):
         n = reader.u32(f"KV stream {st} cell count")
         if n == 0:
             continue
         if n > cache.size:
-            raise StateFormatError(f"KV stream {st} has {n} cells, the cache only {cache.size}")
+            room = "a sequence here has" if dest_seq >= 0 else f"stream {st} here has"
+            raise StateFormatError(
+                f"the state holds {n} KV cells in stream {st}, {room} {cache.size} (a larger n_ctx / -c"
+                f"{'' if cache.unified else ', or fewer sequences'} gives more)"
+            )
         cells = []
         toks: list[int] = []
         for i in range(n):
@@ -154,8 +182,9 @@ def parse_kv(reader: Reader, cache: KVCache, dest_seq: int) -> list[KVStream]:
             if not 1 <= n_ids <= cache.n_seq_max:
                 raise StateFormatError(f"KV cell {i}: {n_ids} seq ids, expected 1 to {cache.n_seq_max}")
             ids = reader.unpack(f"{n_ids}i", f"KV cell {i} seq ids")
-            for s in ids:
-                if not 0 <= s < cache.n_seq_max or (not cache.unified and s != st and dest_seq < 0):
+            # a sequence's state goes to dest_seq whatever sequence it was saved from (as llama.cpp)
+            for s in ids if dest_seq < 0 else ():
+                if not 0 <= s < cache.n_seq_max or (not cache.unified and s != st):
                     raise StateFormatError(f"KV cell {i}: seq id {s} does not belong in stream {st}")
             cells.append((pos, (dest_seq,) if dest_seq >= 0 else tuple(ids)))
         v_trans, n_layer = reader.unpack("II", "KV layout header")
