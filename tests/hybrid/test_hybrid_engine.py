@@ -201,6 +201,19 @@ def test_a_session_history_counts_toward_the_limit(lfm2):
         engine.add_request(seq(2, 60), GREEDY, session=s)
 
 
+def test_a_session_that_fills_the_kv_ends_with_length_and_saves(lfm2, tmp_path):
+    """Issue 37 (4): the session's last sampled token, decoded by the save, found no cell."""
+    engine = engine_for(lfm2, n_seq_max=2, n_ctx=512)
+    s = engine.open_session()
+    out = run(engine, seq(1, 250), SamplingParams.greedy(max_tokens=None, ignore_eos=True), session=s)
+    assert out.outputs[0].finish_reason is FinishReason.LENGTH
+    assert len(out.outputs[0].token_ids) == 6  # the 6th waits for a cell of its own: the 256th
+    engine.save_session(s, str(tmp_path / "s.ggsq"))
+    assert len(s.tokens) == 256 and not s.pending
+    with pytest.raises(InvalidRequestError, match="less one for the reply"):
+        engine.add_request(seq(2, 1), GREEDY, session=s)
+
+
 def test_llm_sizes_the_kv_for_its_sequences(lfm2):
     llm = LLM(lfm2, n_seq_max=8)  # default: 8 x 4096 cells, 4096 a sequence
     assert llm.context.max_seq_tokens == 4096

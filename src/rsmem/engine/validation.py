@@ -66,20 +66,23 @@ def fit_context(
     tokens: list[int], params: SamplingParams, limits: RequestLimits, session: Session | None
 ) -> SamplingParams:
     """Refuse a prompt (with a session's history) longer than a sequence's context; cap ``max_tokens`` so
-    generation ends (``length``) where the context is full: the last sampled token is never decoded."""
+    generation ends (``length``) where the context is full. A request's last sampled token is never
+    decoded, except in a session: its next request or a save decodes it, so a session keeps it a cell."""
     if limits.max_context is None:
         return params
     held = len(session.tokens) if session is not None else 0
     total = held + len(tokens)
-    if total > limits.max_context:
+    cells = limits.max_context - (session is not None)  # what the prompt and the reply may fill
+    if total > cells:
         history = f" ({held} of them the session's history)" if held else ""
+        reply = ", less one for the reply in a session" if session is not None else ""
         raise InvalidRequestError(
             "prompt",
             f"has {total} tokens{history}, more than the max context of {limits.max_context} tokens a "
-            "sequence holds (the KV cache: --ctx-size / n_ctx, divided among the sequences unless "
-            "--kv-unified)",
+            f"sequence holds{reply} (the KV cache: --ctx-size / n_ctx, divided among the sequences "
+            "unless --kv-unified)",
         )
-    room = limits.max_context - total + 1
+    room = cells - total + 1
     if params.max_tokens is None or params.max_tokens > room:
         return dataclasses.replace(params, max_tokens=room)
     return params
