@@ -2,6 +2,8 @@
 
 Ctrl-C during a reply stops that reply (the request is aborted, what it wrote stays in the state) and
 returns to the prompt; Ctrl-C at the prompt, or the end of input, saves ``--save-state`` and exits 0.
+A line the conversation has no room for (a hybrid model's KV cells) is refused with an error line and
+leaves the state as it was; the chat goes on. The speed line counts the time spent replying only.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from rsmem.cli.inputs import LineReader, check_input_file, check_output_path, st
 from rsmem.cli.model import add_model_options, load
 from rsmem.cli.run import Interrupt, open_session, report_speed, save_state, stream_request, write_out
 from rsmem.cli.sampling import add_sampling_options, check_sampling_args, sampling_params
+from rsmem.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from rsmem.engine import Engine, SamplingParams, Session
@@ -47,16 +50,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
             "rsmem chat: type a line, Enter to send; Ctrl-C stops a reply; Ctrl-C at the prompt or "
             "Ctrl-D quits\n"
         )
-    started = time.perf_counter()
+    replying = 0.0  # seconds spent on replies, not waiting at the prompt
     try:
         while (line := _next_line(lines, interactive)) is not None:
-            _reply(engine, session, line, params)
+            started = time.perf_counter()
+            try:
+                _reply(engine, session, line, params)
+            except InvalidRequestError as exc:
+                if exc.param != "prompt":
+                    raise
+                _refuse(exc, llm.context.max_seq_tokens, session)
+            replying += time.perf_counter() - started
     except KeyboardInterrupt:  # at the prompt (during a reply Ctrl-C only stops the reply)
         sys.stderr.write("\n")
     if args.save_state:
         save_state(engine, session, args.save_state)
         sys.stderr.write(f"[saved the conversation ({len(session.tokens)} tokens) to {args.save_state}]\n")
-    report_speed(engine, started)
+    report_speed(engine, replying)
     return 0
 
 
@@ -75,3 +85,16 @@ def _reply(engine: Engine, session: Session, line: str, params: SamplingParams) 
     write_out("\n")
     if streamed.interrupted:
         sys.stderr.write("[interrupted]\n")
+
+
+def _refuse(exc: InvalidRequestError, max_seq_tokens: int | None, session: Session) -> None:
+    """The error line of a line the conversation has no room for (refused before anything ran), with
+    the room left: a session's prompt and reply fill all but one of a sequence's cells (the reply's last
+    token, decoded by the next line or the save, takes the last)."""
+    if max_seq_tokens is None:
+        hint = ""
+    elif (room := max_seq_tokens - 1 - len(session.tokens) - len(session.pending)) < 1:
+        hint = "; the conversation fills the context: end the chat (Ctrl-D)"
+    else:
+        hint = f"; a line of at most {room} tokens fits, or end the chat (Ctrl-D)"
+    sys.stderr.write(f"rsmem: error: not sent: {exc.named('the conversation with this line')}{hint}\n")

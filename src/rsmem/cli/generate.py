@@ -97,7 +97,7 @@ def _generate_one(llm: LLM, prompt: str, params: SamplingParams, args: argparse.
         sys.stderr.write(
             f"[saved {len(session.tokens)} tokens of state to {args.save_state}, {size} bytes]\n"
         )
-    report_speed(engine, started)
+    report_speed(engine, time.perf_counter() - started)
     return EXIT_INTERRUPTED if streamed.interrupted else 0
 
 
@@ -119,7 +119,7 @@ def _generate_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int
         if report is not None and report.outputs[0].finish_reason == "error":
             failed.append(f"prompt {k + 1}: {report.error or report.outputs[0].error}")
     sys.stdout.flush()
-    report_speed(engine, started)
+    report_speed(engine, time.perf_counter() - started)
     if failed:
         raise RsmemError("generation failed: " + "; ".join(failed))
     return EXIT_INTERRUPTED if stop.requested else 0

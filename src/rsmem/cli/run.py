@@ -10,7 +10,6 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType, TracebackType
@@ -45,10 +44,10 @@ class Progress:
             self._shown = False
 
 
-def report_speed(engine: Engine, started: float) -> None:
-    """The statistics line on stderr: prompt and generated tokens, tokens per second."""
+def report_speed(engine: Engine, wall: float) -> None:
+    """The statistics line on stderr: prompt and generated tokens, tokens per second over ``wall``
+    seconds (the time spent generating)."""
     s = engine.stats
-    wall = time.perf_counter() - started
     sys.stderr.write(
         f"[{s.prompt_tokens} prompt tokens, {s.generated_tokens} generated in {wall:.2f}s: "
         f"{s.generated_tokens / wall if wall else 0:.1f} tok/s generated, "
