@@ -1,4 +1,5 @@
-"""Load Mamba / Mamba-2 models from GGUF files or HF folders, and convert HF folders to GGUF."""
+"""Load every architecture (Mamba, Mamba-2, RWKV-6, RWKV-7, ARWKV-7, QRWKV-6, LFM2, Nemotron-H, Qwen3.5)
+from GGUF files, HF folders or BlinkDL .pth checkpoints, and convert HF folders and .pth files to GGUF."""
 
 from __future__ import annotations
 
