@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rsmem.context import Context
 from rsmem.engine.cache_dir import DiskCache
 from rsmem.engine.prefix_cache import PrefixCache
+from rsmem.errors import NoSlotError
 from rsmem.memory import checkpoint
 from rsmem.memory import checkpoint_file as cf
 from rsmem.memory.checkpoint import Checkpoint
@@ -140,10 +141,20 @@ class CheckpointCache:
         on_disk = None if self.disk is None else self.disk.match(prompt, limit)
         return max(0 if found is None else found.n_tokens, 0 if on_disk is None else on_disk.n_tokens)
 
-    def restore_best(self, prompt: Sequence[int], seq: int, at_least: int) -> int:
+    def restore_best(
+        self,
+        prompt: Sequence[int],
+        seq: int,
+        at_least: int,
+        room: Callable[[Checkpoint], bool] | None = None,
+    ) -> int:
         """Restore into ``seq`` the checkpoint of the longest cached proper prefix of ``prompt`` (in RAM
         or in the cache dir), if it covers more than ``at_least`` tokens; returns the tokens it covers
-        (0: nothing restored)."""
+        (0: nothing restored).
+
+        ``room(checkpoint)`` makes room for the checkpoint in ``seq`` (cells that cached states held) and
+        says whether it fits. A checkpoint that finds no cells is not restored (0: the prompt is
+        prefilled, and ``seq`` is as it was)."""
         limit = len(prompt) - 1
         found = self.tree.match(prompt, max_len=limit, touch=False)
         in_ram = 0 if found is None else found.n_tokens
@@ -155,7 +166,12 @@ class CheckpointCache:
             if found is None or in_ram <= at_least:
                 return 0
             n, ckpt = in_ram, found.payload
-        checkpoint.restore(self.memory, ckpt, seq)
+        if room is not None and not room(ckpt):
+            return 0
+        try:
+            checkpoint.restore(self.memory, ckpt, seq)
+        except NoSlotError:  # the memory is unchanged
+            return 0
         self.stats.disk_restores += from_disk is not None
         self.stats.restored += 1
         self.stats.restored_tokens += n

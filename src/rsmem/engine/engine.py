@@ -51,7 +51,6 @@ from rsmem.engine.status import EngineSnapshot, EngineStats, Health
 from rsmem.engine.tokenizer import TextTokenizer
 from rsmem.engine.validation import RequestBuilder, RequestLimits
 from rsmem.errors import InvalidRequestError
-from rsmem.memory.recurrent import RecurrentMemory
 
 Prompt = str | Sequence[int]
 
@@ -126,10 +125,7 @@ class Engine:
         )
         self.kept = KeptSequences(context, self.pool, self.checkpoints)
         self.builder = RequestBuilder(self.limits, tokenizer)
-        # checkpoints inside a prefill are captured from the chunk (a recurrent memory) or cut there
-        self.reuse = PromptReuse(
-            self.pool, self.checkpoints, self.stats, captures=isinstance(memory, RecurrentMemory)
-        )
+        self.reuse = PromptReuse(self.pool, self.checkpoints, self.stats, memory)
         self.admission = Admission(
             self.pool, self.reuse, self.checkpoints, self.stats, self.waiting, self.running
         )
@@ -266,6 +262,7 @@ class Engine:
         touched: dict[str, Request] = {}
         if plan:
             batch = build_batch(plan)
+            self.reuse.make_room(sum(p.n_tokens for p in plan))  # cached states give way in shared cells
             capture = self.reuse.capture_points(plan)
             codec = self.checkpoints.codec if self.checkpoints is not None else "exact"
             t0 = time.perf_counter()

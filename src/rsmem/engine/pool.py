@@ -9,6 +9,10 @@ for its last ``rollback_depth`` tokens) and says whether it could.
 A new prompt reuses a free sequence's cached state when the prompt extends the tokens it folds, or,
 with a rollback depth, when the two part at most ``rollback_depth`` tokens before the cached end (a chat
 client re-sending the last answer re-tokenized, a regenerate of a short answer).
+
+A cached state is only ever a cache: where the memory's cells are shared (a unified KV cache), the cells a
+request needs come first, and cached states give way to it, the one cached longest ago first
+(:meth:`SequencePool.evict_until`), as llama.cpp's server clears idle slots.
 """
 
 from __future__ import annotations
@@ -136,3 +140,12 @@ class SequencePool:
         """Clear a free sequence's cached state; returns the number of tokens it held."""
         self._clear(seq)
         return len(self._cached.pop(seq, []))
+
+    def evict_until(self, fits: Callable[[], bool]) -> bool:
+        """Clear free sequences' cached states, the one cached longest ago first, until ``fits()``;
+        returns whether it does. A session's state and a running request's are never touched."""
+        while not fits():
+            if not self._cached:
+                return False
+            self.erase(next(iter(self._cached)))
+        return True

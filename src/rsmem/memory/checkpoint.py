@@ -182,11 +182,36 @@ def _restore_hybrid(memory: HybridMemory, checkpoint: Checkpoint, seq_id: int) -
         for il, (dk, dv) in kv.layer_dims.items()
     ):
         raise ValueError("the checkpoint's KV rows do not fit this cache's attention layers")
-    cells: list[tuple[int, tuple[int, ...]]] = [(p, (seq_id,)) for p in rows.positions]
-    streams = [KVStream(kv.stream_of(seq_id), cells, k, v)] if cells else []
+    streams = _kv_streams(memory, rows, seq_id, k, v)
     if not can_restore_kv(kv, streams, seq_id) or not can_install(memory.recurrent, seq_id):
         raise NoSlotError(f"no free cells to restore a checkpoint into sequence {seq_id}")
     memory.install_state(HybridState(streams, payload), seq_id)
+
+
+def _kv_streams(
+    memory: HybridMemory,
+    rows: KVRows,
+    seq_id: int,
+    k: dict[int, torch.Tensor],
+    v: dict[int, torch.Tensor],
+) -> list[KVStream]:
+    """The KV part of a restore of ``rows`` into ``seq_id`` (none for an empty prefix)."""
+    cells: list[tuple[int, tuple[int, ...]]] = [(p, (seq_id,)) for p in rows.positions]
+    return [KVStream(memory.kv.stream_of(seq_id), cells, k, v)] if cells else []
+
+
+def fits(memory: SequenceMemory, checkpoint: Checkpoint, seq_id: int) -> bool:
+    """Whether :func:`restore` would find cells for ``checkpoint`` in ``seq_id`` now (a dry run: nothing
+    changes; the rows are not decoded)."""
+    memory.require_seq(seq_id, "checkpoint restore")
+    if isinstance(memory, HybridMemory):
+        if checkpoint.kv is None:
+            return False
+        streams = _kv_streams(memory, checkpoint.kv, seq_id, {}, {})
+        return can_restore_kv(memory.kv, streams, seq_id) and can_install(memory.recurrent, seq_id)
+    if not isinstance(memory, RecurrentMemory):
+        raise TypeError(f"checkpoints of a {type(memory).__name__} are not supported")
+    return can_install(memory, seq_id)
 
 
 def _payload(memory: RecurrentMemory, checkpoint: Checkpoint) -> Payload:
