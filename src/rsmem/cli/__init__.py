@@ -73,8 +73,26 @@ def main(argv: list[str] | None = None) -> int:
 def _check_positive(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for name in _POSITIVE:
         value = getattr(args, name, None)
-        if isinstance(value, int) and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        for v in value if isinstance(value, list) else [value]:  # bench's --parallel takes several
+            if isinstance(v, int) and v < 1:
+                parser.error(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+    threads = getattr(args, "threads", None)
+    if isinstance(threads, int) and threads > (limit := 2 * _cpus()):
+        parser.error(
+            f"-t {threads}: more than {limit} threads, twice the {limit // 2} CPUs this process may run "
+            "on (more threads only wait for each other)"
+        )
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the system has one).
+
+    ``-t`` accepts up to twice as many threads: rsmem itself runs prompts at twice the cores beside a busy
+    process (:func:`rsmem.threads.prompt_threads`); past that, threads only wait for each other."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _error(message: str) -> int:

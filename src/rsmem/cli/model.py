@@ -23,7 +23,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch threads (default: $RSMEM_THREADS, else chosen by the model: rsmem.threads)",
+        help="torch threads, at most twice the CPUs (default: $RSMEM_THREADS, else chosen by the model: "
+        "rsmem.threads)",
     )
     p.add_argument("--bf16", action="store_true", help="keep weight matrices in bfloat16")
     p.add_argument(

@@ -24,18 +24,24 @@ PROGRESS_MIN_TOKENS = 256  # show prefill progress for prompts at least this lon
 
 
 class Progress:
-    """One self-overwriting status line on stderr (only when stderr is a terminal, or forced)."""
+    """Status on stderr (only when stderr is a terminal, unless ``enabled``): one self-overwriting line on
+    a terminal, plain lines elsewhere (a log, a pipe), which no escape codes garble."""
 
     def __init__(self, stream: TextIO | None = None, enabled: bool | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.terminal = self.stream.isatty()
+        self.enabled = self.terminal if enabled is None else enabled
         self._shown = False
 
     def update(self, text: str) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        if self.terminal:
             self.stream.write(f"\r\033[K{text}")
-            self.stream.flush()
             self._shown = True
+        else:
+            self.stream.write(f"{text}\n")
+        self.stream.flush()
 
     def done(self) -> None:
         if self._shown:

@@ -58,7 +58,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=int,
         default=4096,
         metavar="MIB",
-        help="MiB of checkpoint files in --cache-dir (default 4096); past it the least valuable go",
+        help="MiB of checkpoint files in --cache-dir, at least 1 (default 4096); past it the least "
+        "valuable go",
     )
     serve.add_argument(
         "--prefill-cap",
@@ -107,6 +108,13 @@ def _cap(value: str) -> int | None:
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if not args.shutdown_timeout >= 0:  # NaN too
         parser.error(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
+    if args.cache_disk < 1:  # 0 MiB would keep no file, and delete those --cache-dir holds
+        parser.error(
+            f"--cache-disk must be at least 1 (MiB), got {args.cache_disk}: it bounds the files of "
+            "--cache-dir (to keep no checkpoints on disk, leave --cache-dir out)"
+        )
+    if args.alias is not None and not args.alias.strip():
+        parser.error(f"--alias must name the model (the name /v1/models reports), got {args.alias!r}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

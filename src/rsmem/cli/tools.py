@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch threads (default: chosen per model: rsmem.threads)",
+        help="torch threads, at most twice the CPUs (default: chosen per model: rsmem.threads)",
     )
     bench.add_argument("--prompt-tokens", type=int, default=512)
     bench.add_argument("--parallel", type=int, nargs="+", default=[1, 8])
