@@ -88,3 +88,28 @@ def test_corrupt_state_file_is_one_clear_line(tmp_path):
     r = rsmem("generate", "hi", "--load-state", str(bad))
     assert r.returncode == 1
     assert "not a sequence state file" in r.stderr and "Traceback" not in r.stderr
+
+
+Q4_K = Path(__file__).parent / "fixtures" / "llamacpp" / "quant" / "mamba" / "model-q4_k_m.gguf"
+
+
+def test_info_on_a_quantized_file_says_which_products_its_blocks_get():
+    """Issue 37 (12): 'kept in its blocks (rsmem's kernels)' beside 'products: torch's (the C++ kernels are
+    not loaded)': info never ran a product, which is what loads the kernels."""
+    r = rsmem("info", str(Q4_K))
+    assert r.returncode == 0, r.stderr
+    assert "Q4_K      4 tensors" in r.stdout and "kept in its blocks (rsmem's kernels)" in r.stdout
+    assert "products:        rsmem's workers" in r.stdout
+
+
+def test_info_without_the_kernels_says_torch_multiplies_the_blocks():
+    r = subprocess.run(
+        [sys.executable, "-m", "rsmem.cli", "info", str(Q4_K)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=ENV | {"RSMEM_KERNELS": "0"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "rsmem's kernels" not in r.stdout and "kept in its blocks" in r.stdout
+    assert "products:        torch's, from the blocks" in r.stdout and "RSMEM_KERNELS=0" in r.stdout

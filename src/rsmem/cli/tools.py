@@ -17,6 +17,7 @@ from rsmem.cli.model import model_path
 from rsmem.cli.run import Progress
 from rsmem.errors import RsmemError
 from rsmem.loaders.quantize import convert_then_quantize, quantize_types
+from rsmem.loaders.tensor_types import Holding
 from rsmem.models.ops.quantized import QuantMatrix
 
 MALLOC_WORDS = {
@@ -106,7 +107,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         if isinstance(getattr(cfg, key, None), int):  # per-layer tuples (Nemotron-H's d_ff) are left out
             print(f"{key + ':':<16} {getattr(cfg, key)}")
     print(f"parameters:      {n_params / 1e6:.2f} M")
-    _print_tensor_types(path)
+    in_blocks = _print_tensor_types(path)
     print(f"state per layer: r {model.n_embd_r} + s {model.n_embd_s} floats")
     if rwkv and cfg is not None:  # llama.cpp's layout: the two token-shift rows, then the heads' WKV states
         h, n = cfg.n_head, cfg.head_size
@@ -122,7 +123,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"threads:         {threads.choose_threads(model)} (RSMEM_THREADS / -t, else by the model), "
         f"OpenMP wait policy: {threads.wait_policy()}"
     )
-    print(f"products:        {threads.product_workers()}")
+    print(f"products:        {_products(in_blocks)}")
     print(f"malloc:          {MALLOC_WORDS[malloc.policy() or 'off']} (RSMEM_MALLOC; rsmem.malloc)")
     if tokenizer is not None:
         print(
@@ -133,6 +134,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 RWKV_ARCHS = ("rwkv6", "rwkv7", "arwkv7", "rwkv6qwen2")
+IN_BLOCKS = (Holding.KEPT, Holding.KEPT_2BYTES, Holding.REQUANTIZED)  # multiplied by the C++ kernels
+KERNELS_NOTE = " (rsmem's kernels)"  # how such a holding ends; said only where the kernels load
 # the attributes holding a model's weights (those it has): embedding, RWKV's embedding norm, layers, head
 WEIGHTS = ("embedding", "emb_norm", "emb_norm_b", "norm_f", "norm_f_b", "lm_head", "layers")
 
@@ -174,16 +177,23 @@ def _print_kv(model: object) -> None:
     print(f"KV at 4096:      {per_token * 4096 / 2**20:.1f} MiB per sequence (the default context)")
 
 
-def _print_tensor_types(path: Path) -> None:
-    """Per tensor type of a GGUF file: how many, their bytes in the file and how rsmem holds them."""
+def _print_tensor_types(path: Path) -> bool:
+    """Per tensor type of a GGUF file: how many, their bytes in the file and how rsmem holds them; whether
+    some are held in blocks. Those blocks' products load the C++ kernels (the model's first product
+    would): whether they run there or in torch's reference is then known, and said."""
+    from rsmem.kernels.build import native_ops
     from rsmem.loaders import is_gguf
     from rsmem.loaders.tensor_types import file_summary
 
     if not path.is_file() or not is_gguf(path):
-        return
+        return False
     summary = file_summary(path)
+    in_blocks = any(s.holding in IN_BLOCKS for s in summary)
+    kernels = in_blocks and native_ops() is not None
     for i, s in enumerate(summary):
         held = s.holding.value if s.holding is not None else "not loadable"
+        if not kernels:
+            held = held.removesuffix(KERNELS_NOTE)
         print(
             f"{'tensor types:' if i == 0 else '':<16} {s.type_name:<7} {s.tensors:>3} tensor"
             f"{'s' if s.tensors != 1 else ' '} {s.file_bytes / 1e6:9.2f} MB in file -> {held} "
@@ -194,6 +204,21 @@ def _print_tensor_types(path: Path) -> None:
         f"weights held:    {held_bytes / 1e6:.2f} MB, {held_bytes / max(file_bytes, 1):.2f}x the file's "
         f"{file_bytes / 1e6:.2f} MB of tensors"
     )
+    return in_blocks
+
+
+def _products(in_blocks: bool) -> str:
+    """How decode products run (:func:`rsmem.threads.product_workers`); for matrices held in blocks
+    without the C++ kernels: torch's reference, and why the kernels are missing."""
+    from rsmem import settings, threads
+    from rsmem.kernels.build import build_error, loaded_native_ops
+
+    if not in_blocks or loaded_native_ops() is not None:
+        return threads.product_workers()
+    why = (
+        "are off: RSMEM_KERNELS=0" if not settings.kernels_setting()[0] else f"did not build: {build_error()}"
+    )
+    return f"torch's, from the blocks a tile at a time (the C++ kernels {why})"
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
