@@ -42,8 +42,8 @@ def test_rwkv7_config_from_keys() -> None:
     ("extra", "message"),
     [
         ({"token_shift_count": 1}, "rwkv7 needs token_shift_count 2"),
-        ({"attention.layer_norm_epsilon": "tiny"}, "attention.layer_norm_epsilon is 'tiny'"),
-        ({"block_count": True}, "block_count is True"),
+        ({"attention.layer_norm_epsilon": "tiny"}, "'rwkv7.attention.layer_norm_epsilon' is 'tiny'"),
+        ({"block_count": True}, "'rwkv7.block_count' is True"),
     ],
 )
 def test_bad_values_are_named(extra: dict[str, object], message: str) -> None:

@@ -35,13 +35,6 @@ SUPPORTED_ARCHS = (
 T = gguf.MODEL_TENSOR
 
 
-def metadata_int(value: object, what: str) -> int:
-    """A GGUF metadata value that must be a number, as an int (ModelFormatError naming ``what``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ModelFormatError(f"{what} is {value!r}, not a number")
-    return int(value)
-
-
 def tensor_name(kind: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".weight") -> str:
     """llama.cpp's name of a tensor, e.g. ``blk.3.ssm_in.weight``; ``ssm_a`` and ``ssm_d`` have no suffix."""
     base = gguf.TENSOR_NAMES[kind]

@@ -72,7 +72,10 @@ def read_hf(folder: str | os.PathLike[str]) -> Checkpoint:
     raw = _read_safetensors(folder)
     tensors = {}
     for name, t in raw.items():
-        mapped = _map(name, t, arch, config)
+        try:
+            mapped = _map(name, t, arch, config)
+        except ModelFormatError as exc:
+            raise ModelFormatError(f"{folder}/config.json: {exc}") from exc
         if mapped is not None:
             tensors[mapped[0]] = mapped[1]
     out = tensor_name(T.OUTPUT)
@@ -127,7 +130,9 @@ def _map(name: str, t: torch.Tensor, arch: str, config: dict) -> tuple[str, torc
         if rest in ("mixer.A_log", "mixer.D"):
             t = t.reshape(-1, 1)  # [n_head, 1]
         elif rest == "mixer.norm.weight":
-            n_group = int(config.get("n_groups", 1))
+            n_group = config.get("n_groups", 1)
+            if not isinstance(n_group, int) or n_group < 1 or t.numel() % n_group:
+                raise ModelFormatError(f"n_groups {n_group!r} does not split {name} ({t.numel()} values)")
             t = t.reshape(n_group, -1)
     return tensor_name(kind, bid, suffix), t
 
@@ -158,5 +163,5 @@ def _config(config: dict, arch: str, n_vocab: int, folder: Path) -> MambaConfig 
             n_head=int(config["num_heads"]),
             n_group=int(config.get("n_groups", 1)),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a count of 0 divided by
         raise ModelFormatError(f"{folder}/config.json: missing or invalid hyperparameter ({exc})") from exc

@@ -79,7 +79,7 @@ def hybrid_checkpoint(folder: Path, config: dict, raw: dict[str, torch.Tensor]) 
     arch = str(config.get("model_type"))
     try:
         cfg = _lfm2_config(config, raw) if arch == "lfm2" else _nemotron_h_config(config, raw)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a count of 0 divided by
         raise ModelFormatError(f"{folder}/config.json: missing or invalid hyperparameter ({exc})") from exc
     tensors: dict[str, torch.Tensor] = {}
     for name, t in raw.items():

@@ -13,7 +13,7 @@ import torch
 
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.checkpoint import Checkpoint, tensor_name
-from rsmem.loaders.checkpoint import metadata_int as _int
+from rsmem.loaders.hparams import Hparams, consistent
 from rsmem.loaders.qwen35 import build_qwen35, qwen35_config_from_gguf
 from rsmem.models.compiled import CompileSetting
 from rsmem.models.lfm2 import Attention, Lfm2Config, Lfm2Layer, Lfm2Model, Lfm2Weights
@@ -35,77 +35,93 @@ T = gguf.MODEL_TENSOR
 Key = Callable[[str], object]  # "{arch}.<key>" metadata value; raises ModelFormatError when missing
 
 
-def _per_layer(value: object, n_layer: int, what: str) -> tuple[int, ...]:
-    """A per-layer metadata value: an array, or one number for every layer."""
-    if isinstance(value, list):
-        if len(value) != n_layer:
-            raise ModelFormatError(f"{what} has {len(value)} entries for {n_layer} layers")
-        return tuple(int(v) for v in value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return (int(value),) * n_layer
-    raise ModelFormatError(f"{what} is {value!r}, not a number or an array")
-
-
 def config_from_gguf(
     arch: str, key: Key, n_vocab: int, optional: Callable[[str], object | None]
 ) -> Lfm2Config | NemotronHConfig | Qwen35Config:
+    """The architecture's hyperparameters, each in its range (``hparams.py``); ModelFormatError names the
+    key."""
     if arch == "qwen35":
         return qwen35_config_from_gguf(key, n_vocab, optional)
-    n_layer = _int(key("block_count"), "block_count")
+    keys = Hparams(arch, key, optional)
     if arch == "nemotron_h":
-        return _nemotron_h_config(key, n_vocab, optional, n_layer)
+        return _nemotron_h_config(keys, n_vocab)
     if arch == "lfm2":
-        if optional("attention.sliding_window"):
-            raise ModelFormatError("LFM2 with a sliding window (attention.sliding_window) is not supported")
-        try:
-            return Lfm2Config(
-                d_model=_int(key("embedding_length"), "embedding_length"),
-                n_layer=n_layer,
-                n_vocab=n_vocab,
-                d_ff=_int(key("feed_forward_length"), "feed_forward_length"),
-                n_head=_int(key("attention.head_count"), "attention.head_count"),
-                n_head_kv=_per_layer(key("attention.head_count_kv"), n_layer, "attention.head_count_kv"),
-                l_cache=_int(key("shortconv.l_cache"), "shortconv.l_cache"),
-                rope_base=float(optional("rope.freq_base") or 10000.0),  # type: ignore[arg-type]
-                eps=float(key("attention.layer_norm_rms_epsilon")),  # type: ignore[arg-type]
-                n_ctx_train=_int(optional("context_length") or 128_000, "context_length"),
-            )
-        except ValueError as exc:
-            raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
+        return _lfm2_config(keys, n_vocab)
     raise ModelFormatError(f"unsupported hybrid architecture {arch!r}")
 
 
-def _nemotron_h_config(
-    key: Key, n_vocab: int, optional: Callable[[str], object | None], n_layer: int
-) -> NemotronHConfig:
+def _lfm2_config(keys: Hparams, n_vocab: int) -> Lfm2Config:
+    if keys.optional("attention.sliding_window"):
+        raise ModelFormatError("LFM2 with a sliding window (attention.sliding_window) is not supported")
+    n_layer = keys.count("block_count")
+    d_model = keys.count("embedding_length")
+    n_head = keys.count("attention.head_count")
+    keys.divides("attention.head_count", n_head, "embedding_length", d_model)
+    n_head_kv = _kv_heads(keys, n_layer, n_head)
+    with consistent():
+        return Lfm2Config(
+            d_model=d_model,
+            n_layer=n_layer,
+            n_vocab=n_vocab,
+            d_ff=keys.count("feed_forward_length"),
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            l_cache=keys.count("shortconv.l_cache", 2),
+            rope_base=keys.number_or("rope.freq_base", 10000.0, 0.0, above=True),
+            eps=keys.epsilon("attention.layer_norm_rms_epsilon"),
+            n_ctx_train=keys.count_or("context_length", 128_000),
+        )
+
+
+def _kv_heads(keys: Hparams, n_layer: int, n_head: int) -> tuple[int, ...]:
+    """Per-layer key/value head counts: 0 (no attention in the layer) or a divisor of the head count."""
+    n_head_kv = keys.counts("attention.head_count_kv", n_layer)
+    for b, n_kv in enumerate(n_head_kv):
+        if n_kv:
+            keys.divides("attention.head_count_kv", n_kv, "attention.head_count", n_head, f" in layer {b}")
+    return n_head_kv
+
+
+def _nemotron_h_config(keys: Hparams, n_vocab: int) -> NemotronHConfig:
     """llama.cpp's rule: a layer is Mamba-2 when it has neither KV heads nor an FFN, attention when it has
     KV heads, an MLP otherwise."""
-    if optional("expert_count"):
+    if keys.optional("expert_count"):
         raise ModelFormatError("Nemotron-H with experts (MoE) is not supported")
-    n_head_kv = _per_layer(key("attention.head_count_kv"), n_layer, "attention.head_count_kv")
-    d_ff = _per_layer(key("feed_forward_length"), n_layer, "feed_forward_length")
+    n_layer = keys.count("block_count")
+    n_kv_raw = keys.counts("attention.head_count_kv", n_layer)
+    d_ff = keys.counts("feed_forward_length", n_layer)
+    attention = any(n_kv_raw)
+    d_model = keys.count("embedding_length")
+    n_head = keys.count("attention.head_count", 1 if attention else 0)
+    n_head_kv = _kv_heads(keys, n_layer, n_head) if attention else n_kv_raw
+    head_dim = keys.count_or("attention.key_length", d_model // n_head if n_head else 0, 1)
+    if attention and keys.count_or("attention.value_length", head_dim) != head_dim:
+        raise keys.error("attention.value_length", f"differs from attention.key_length ({head_dim})")
     kinds = "".join(ATTENTION if kv else MLP if ff else MAMBA for kv, ff in zip(n_head_kv, d_ff, strict=True))
-    d_model = _int(key("embedding_length"), "embedding_length")
-    n_head = _int(key("attention.head_count"), "attention.head_count")
-    eps = optional("attention.layer_norm_rms_epsilon") or key("attention.layer_norm_epsilon")
-    try:
+    d_inner, n_ssm_head = keys.count("ssm.inner_size"), keys.count("ssm.time_step_rank")
+    n_group = keys.count("ssm.group_count")
+    keys.divides("ssm.time_step_rank", n_ssm_head, "ssm.inner_size", d_inner)
+    keys.divides("ssm.group_count", n_group, "ssm.time_step_rank", n_ssm_head)
+    rms = keys.optional("attention.layer_norm_rms_epsilon")
+    eps = keys.epsilon(
+        "attention.layer_norm_rms_epsilon" if rms is not None else "attention.layer_norm_epsilon"
+    )
+    with consistent():
         return NemotronHConfig(
             d_model=d_model,
             n_vocab=n_vocab,
             kinds=kinds,
-            d_inner=_int(key("ssm.inner_size"), "ssm.inner_size"),
-            d_state=_int(key("ssm.state_size"), "ssm.state_size"),
-            d_conv=_int(key("ssm.conv_kernel"), "ssm.conv_kernel"),
-            n_ssm_head=_int(key("ssm.time_step_rank"), "ssm.time_step_rank"),
-            n_group=_int(key("ssm.group_count"), "ssm.group_count"),
+            d_inner=d_inner,
+            d_state=keys.count("ssm.state_size"),
+            d_conv=keys.count("ssm.conv_kernel"),
+            n_ssm_head=n_ssm_head,
+            n_group=n_group,
             n_head=n_head,
             n_head_kv=n_head_kv,
-            head_dim=_int(optional("attention.key_length") or d_model // n_head, "attention.key_length"),
+            head_dim=head_dim,
             d_ff=d_ff,
-            eps=float(eps),  # type: ignore[arg-type]
+            eps=eps,
         )
-    except ValueError as exc:
-        raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
 
 
 def build_hybrid(

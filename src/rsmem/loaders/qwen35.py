@@ -14,7 +14,7 @@ import torch
 
 from rsmem.errors import ModelFormatError
 from rsmem.loaders.checkpoint import Checkpoint, tensor_name
-from rsmem.loaders.checkpoint import metadata_int as _int
+from rsmem.loaders.hparams import Hparams, consistent
 from rsmem.loaders.tokenizer import tokenizer_data_from_hf
 from rsmem.models.compiled import CompileSetting
 from rsmem.models.qwen35 import (
@@ -39,53 +39,65 @@ HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 Key = Callable[[str], object]
 
 
-def _flags(value: object, n_layer: int) -> tuple[bool, ...]:
-    if not isinstance(value, list) or len(value) != n_layer:
-        raise ModelFormatError(f"attention.recurrent_layers is {value!r}, not {n_layer} flags")
-    return tuple(bool(v) for v in value)
-
-
 def qwen35_config_from_gguf(key: Key, n_vocab: int, optional: Callable[[str], object | None]) -> Qwen35Config:
     """``qwen35.*`` metadata as llama.cpp's ``llama_model_qwen35::load_arch_hparams`` reads it (the layer
     kinds from ``attention.recurrent_layers``, else every ``full_attention_interval``-th is attention). MTP
-    layers (``nextn_predict_layers``, the last blocks) are left out: the model is the trunk."""
-    if optional("expert_count"):
+    layers (``nextn_predict_layers``, the last blocks) are left out: the model is the trunk. Each value is
+    checked in its range (``hparams.py``); ModelFormatError names the key."""
+    keys = Hparams("qwen35", key, optional)
+    if keys.optional("expert_count"):
         raise ModelFormatError("Qwen3.5 with experts (qwen35moe) is not supported")
-    n_layer_all = _int(key("block_count"), "block_count")
-    n_layer = n_layer_all - _int(optional("nextn_predict_layers") or 0, "nextn_predict_layers")  # MTP: unused
-    flags = optional("attention.recurrent_layers")
+    n_layer_all = keys.count("block_count")
+    n_mtp = keys.count_or("nextn_predict_layers", 0, 0)
+    if n_mtp >= n_layer_all:
+        raise keys.error("nextn_predict_layers", f"is {n_mtp}, leaving no layer of the {n_layer_all} blocks")
+    n_layer = n_layer_all - n_mtp  # MTP: unused
+    flags = keys.optional("attention.recurrent_layers")
     if flags is None:
-        interval = _int(optional("full_attention_interval") or 4, "full_attention_interval")
+        interval = keys.count_or("full_attention_interval", 4)
         recurrent = tuple((il + 1) % interval != 0 for il in range(n_layer))
+    elif not isinstance(flags, list) or len(flags) != n_layer_all:
+        raise keys.error("attention.recurrent_layers", f"is {flags!r}, not {n_layer_all} flags")
     else:
-        recurrent = _flags(flags, n_layer_all)[:n_layer]
-    head_dim = _int(key("attention.key_length"), "attention.key_length")
-    if _int(optional("attention.value_length") or head_dim, "attention.value_length") != head_dim:
-        raise ModelFormatError("attention.value_length differs from attention.key_length")
-    sections = optional("rope.dimension_sections")
-    try:
+        recurrent = tuple(bool(v) for v in flags)[:n_layer]
+    head_dim = keys.count("attention.key_length")
+    if keys.count_or("attention.value_length", head_dim) != head_dim:
+        raise keys.error("attention.value_length", f"differs from attention.key_length ({head_dim})")
+    n_head, n_head_kv = keys.count("attention.head_count"), keys.count("attention.head_count_kv")
+    keys.divides("attention.head_count_kv", n_head_kv, "attention.head_count", n_head)
+    n_k, n_v = keys.count("ssm.group_count"), keys.count("ssm.time_step_rank")
+    keys.divides("ssm.group_count", n_k, "ssm.time_step_rank", n_v)
+    d_state, d_inner = keys.count("ssm.state_size"), keys.count("ssm.inner_size")
+    if d_inner != n_v * d_state:
+        raise keys.error(
+            "ssm.inner_size",
+            f"is {d_inner}, not ssm.time_step_rank x ssm.state_size ({n_v} x {d_state} = {n_v * d_state})",
+        )
+    n_rot = keys.count_or("rope.dimension_count", head_dim)
+    if n_rot % 2 or n_rot > head_dim:
+        raise keys.error("rope.dimension_count", f"is {n_rot}, not even and at most key_length ({head_dim})")
+    sections = keys.optional("rope.dimension_sections")
+    with consistent():
         return Qwen35Config(
-            d_model=_int(key("embedding_length"), "embedding_length"),
+            d_model=keys.count("embedding_length"),
             n_layer=n_layer,
             n_vocab=n_vocab,
-            d_ff=_int(key("feed_forward_length"), "feed_forward_length"),
-            n_head=_int(key("attention.head_count"), "attention.head_count"),
-            n_head_kv=_int(key("attention.head_count_kv"), "attention.head_count_kv"),
+            d_ff=keys.count("feed_forward_length"),
+            n_head=n_head,
+            n_head_kv=n_head_kv,
             head_dim=head_dim,
             recurrent=recurrent,
-            d_conv=_int(key("ssm.conv_kernel"), "ssm.conv_kernel"),
-            d_state=_int(key("ssm.state_size"), "ssm.state_size"),
-            n_k_heads=_int(key("ssm.group_count"), "ssm.group_count"),
-            n_v_heads=_int(key("ssm.time_step_rank"), "ssm.time_step_rank"),
-            d_inner=_int(key("ssm.inner_size"), "ssm.inner_size"),
-            n_rot=_int(optional("rope.dimension_count") or head_dim, "rope.dimension_count"),
-            rope_base=float(optional("rope.freq_base") or 10_000.0),  # type: ignore[arg-type]
+            d_conv=keys.count("ssm.conv_kernel", 2),
+            d_state=d_state,
+            n_k_heads=n_k,
+            n_v_heads=n_v,
+            d_inner=d_inner,
+            n_rot=n_rot,
+            rope_base=keys.number_or("rope.freq_base", 10_000.0, 0.0, above=True),
             rope_sections=tuple(int(v) for v in sections) if isinstance(sections, list) else (),
-            eps=float(key("attention.layer_norm_rms_epsilon")),  # type: ignore[arg-type]
-            n_ctx_train=_int(optional("context_length") or 262_144, "context_length"),
+            eps=keys.epsilon("attention.layer_norm_rms_epsilon"),
+            n_ctx_train=keys.count_or("context_length", 262_144),
         )
-    except ValueError as exc:
-        raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
 
 
 def build_qwen35(
@@ -277,7 +289,7 @@ def qwen35_checkpoint(folder: Path, config: dict, raw: dict[str, torch.Tensor]) 
         raise ModelFormatError(f"{folder}: missing tensor 'model.embed_tokens.weight'")
     try:
         cfg = _config(config, raw, f"{prefix}embed_tokens.weight")
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a count of 0 divided by
         raise ModelFormatError(f"{folder}/config.json: missing or invalid hyperparameter ({exc})") from exc
     if any("mlp.experts" in name for name in raw):
         raise ModelFormatError(f"{folder}: Qwen3.5 with experts (MoE) is not supported")

@@ -12,7 +12,6 @@ import gguf
 import torch
 
 from rsmem.errors import ModelFormatError
-from rsmem.loaders.checkpoint import metadata_int
 from rsmem.loaders.checkpoint import tensor_name as name
 from rsmem.loaders.rwkv_keys import ArchKeys, LayerTensors, consistent, rwkv6_time_mix
 from rsmem.models.compiled import CompileSetting
@@ -29,16 +28,21 @@ def rwkv6qwen2_config(keys: ArchKeys, n_vocab: int) -> Rwkv6Qwen2Config:
     """From ``rwkv6qwen2.*`` metadata."""
     keys.token_shift(1)
     eps = keys.float_or("attention.layer_norm_rms_epsilon", 1e-6)
-    kv = keys.optional("attention.head_count_kv")
-    if isinstance(kv, list):  # per layer: all alike here
+    body = keys.body()
+    n_head_kv = 0  # absent: as many as the heads
+    if keys.optional("attention.head_count_kv") is not None:
+        kv = keys.counts("attention.head_count_kv", body["n_layer"], 1)
         if len(set(kv)) != 1:
             raise ModelFormatError(f"rwkv6qwen2 with per-layer key/value head counts {kv} is not supported")
-        kv = kv[0]
-    n_head_kv = 0 if kv is None else metadata_int(kv, "attention.head_count_kv")
+        n_head_kv = kv[0]
+        n_head = body["d_model"] // body["head_size"]
+        if n_head % n_head_kv:
+            raise keys.error(
+                "attention.head_count_kv",
+                f"is {n_head_kv}, not a divisor of the {n_head} heads (embedding_length / wkv.head_size)",
+            )
     with consistent():
-        return Rwkv6Qwen2Config(
-            **keys.body(), **keys.v6_extra(), n_vocab=n_vocab, eps=eps, n_head_kv=n_head_kv
-        )
+        return Rwkv6Qwen2Config(**body, **keys.v6_extra(), n_vocab=n_vocab, eps=eps, n_head_kv=n_head_kv)
 
 
 def build_rwkv6qwen2(ckpt: Checkpoint, dtype: torch.dtype, compile: CompileSetting) -> Rwkv6Qwen2Model:

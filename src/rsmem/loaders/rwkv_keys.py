@@ -8,62 +8,50 @@ shapes checked; :func:`rwkv6_time_mix` is the time-mix part RWKV-6 and QRWKV-6 l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import gguf
 import torch
 
 from rsmem.errors import ModelFormatError
-from rsmem.loaders.checkpoint import metadata_int, tensor_name
+from rsmem.loaders.checkpoint import tensor_name
+from rsmem.loaders.hparams import Hparams, consistent
 
 if TYPE_CHECKING:
     from rsmem.loaders.checkpoint import Checkpoint
 
+__all__ = ["ArchKeys", "LayerTensors", "consistent", "rwkv6_time_mix"]
+
 T = gguf.MODEL_TENSOR
 
 
-class ArchKeys:
-    """The ``{arch}.*`` metadata of one file, read as numbers."""
-
-    def __init__(
-        self, arch: str, key: Callable[[str], object], optional: Callable[[str], object | None]
-    ) -> None:
-        self.arch = arch
-        self._key = key
-        self._optional = optional
+class ArchKeys(Hparams):
+    """The ``{arch}.*`` metadata of one file, read as numbers in their ranges (``hparams.py``)."""
 
     def integer(self, k: str) -> int:
-        return metadata_int(self._key(k), k)
-
-    def optional(self, k: str) -> object | None:
-        return self._optional(k)
+        return self.count(k)
 
     def float_or(self, k: str, default: float) -> float:
-        value = self._optional(k)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ModelFormatError(f"{k} is {value!r}, not a number")
-        return float(value)
+        return self.epsilon_or(k, default)
 
     def integer_or(self, k: str, default: int) -> int:
-        value = self._optional(k)
-        return default if value is None else metadata_int(value, k)
+        """A count that may be 0 (``rescale_every_n_layers``, ARWKV-7's gate rank: 0 for none)."""
+        return self.count_or(k, default, 0)
 
     def token_shift(self, count: int) -> None:
         """ModelFormatError unless ``token_shift_count`` is absent or ``count``."""
-        shift = self._optional("token_shift_count")
-        if shift is not None and metadata_int(shift, "token_shift_count") != count:
+        shift = self.count_or("token_shift_count", count, 0)
+        if shift != count:
             raise ModelFormatError(f"{self.arch} needs token_shift_count {count}, got {shift!r}")
 
     def body(self) -> dict[str, int]:
         """The keys every RWKV config has: width, depth, head size and feed-forward width."""
+        d_model, head_size = self.integer("embedding_length"), self.integer("wkv.head_size")
+        self.divides("wkv.head_size", head_size, "embedding_length", d_model)
         return {
-            "d_model": self.integer("embedding_length"),
+            "d_model": d_model,
             "n_layer": self.integer("block_count"),
-            "head_size": self.integer("wkv.head_size"),
+            "head_size": head_size,
             "d_ff": self.integer("feed_forward_length"),
         }
 
@@ -81,15 +69,6 @@ class ArchKeys:
             "time_mix_extra_dim": self.integer("time_mix_extra_dim"),
             "time_decay_extra_dim": self.integer("time_decay_extra_dim"),
         }
-
-
-@contextmanager
-def consistent() -> Iterator[None]:
-    """A config's own ValueError (dimensions that do not fit together) as ModelFormatError."""
-    try:
-        yield
-    except ValueError as exc:
-        raise ModelFormatError(f"inconsistent hyperparameters ({exc})") from exc
 
 
 class LayerTensors:

@@ -100,21 +100,76 @@ def loadable_type_names() -> list[str]:
     return [t.name for t in HOLDING]
 
 
+class PastEndError(ValueError):
+    """A read of bytes ``start`` to ``end`` of a file of ``size`` bytes: truncated, or a corrupt length
+    or offset."""
+
+    def __init__(self, start: int, end: int, size: int) -> None:
+        super().__init__(f"needs bytes {start} to {end}, past the end of the file ({size} bytes)")
+
+
 class TensorDataError(ValueError):
     """gguf's reader failed on one tensor (short data, rows not a whole number of blocks, unknown type)."""
 
     def __init__(self, name: str, cause: BaseException) -> None:
-        super().__init__(f"tensor {name!r} is truncated or corrupt ({type(cause).__name__}: {cause})")
+        if isinstance(cause, PastEndError):
+            message = f"tensor {name!r} is truncated or corrupt: its data {cause}"
+        else:
+            message = f"tensor {name!r} is truncated or corrupt ({type(cause).__name__}: {cause})"
+        super().__init__(message)
         self.name = name
+
+
+class HeaderError(ValueError):
+    """gguf's reader failed in the file's metadata or tensor table; ``part`` says where."""
+
+    def __init__(self, part: str, cause: BaseException) -> None:
+        if isinstance(cause, PastEndError):
+            message = f"truncated or corrupt GGUF file: {part} {cause}"
+        else:
+            message = f"corrupt GGUF file: {part}: {type(cause).__name__}: {cause}"
+        super().__init__(message)
 
 
 class TensorNamingReader(gguf.GGUFReader):
     """gguf's reader, building the tensor views one at a time so that a failure names its tensor (the
-    stock reader reports a truncated file as a bare numpy reshape error). It overrides the reader's
-    ``_build_tensors(start_offs, fields)``, which gguf 0.19 (pinned in pyproject.toml) calls once with
-    every tensor-info field; a test truncates a file inside each of two tensors."""
+    stock reader reports a truncated file as a bare numpy reshape error), and refusing every read past the
+    end of the file (:class:`PastEndError`; the stock reader slices the memory map short and fails later
+    in numpy), so a truncated or corrupt header says where it broke (:class:`HeaderError`). It overrides
+    the reader's ``_get``, ``_push_field``, ``_build_tensor_info`` and ``_build_tensors(start_offs,
+    fields)`` of gguf 0.19 (pinned in pyproject.toml), which calls the last once with every tensor-info
+    field; a test truncates a file inside each of two tensors."""
+
+    _part = "the file's header"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        try:
+            super().__init__(path)
+        except TensorDataError:
+            raise
+        except Exception as exc:
+            raise HeaderError(self._part, exc) from exc
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > self.data.shape[0]:
+            raise PastEndError(int(offset), end, int(self.data.shape[0]))
+        return super()._get(offset, dtype, count, override_order)
+
+    def _push_field(self, field: gguf.ReaderField, skip_sum: bool = False) -> int:
+        size = super()._push_field(field, skip_sum)
+        if field.name == "GGUF.kv_count":
+            self._part = "the metadata's first key"
+        elif not field.name.startswith("GGUF."):
+            self._part = f"the metadata after key {field.name!r}"
+        return size
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[Any]]:
+        self._part = "the tensor table"
+        return super()._build_tensor_info(offs, count)
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        self._part = "the tensor data"
         built: list[gguf.ReaderTensor] = []
         for field in fields:
             name = bytes(field.parts[1]).decode("utf-8", "replace")
@@ -132,11 +187,11 @@ class TensorNamingReader(gguf.GGUFReader):
 
 
 def open_reader(path: str | os.PathLike[str]) -> gguf.GGUFReader:
-    """The file's reader; a tensor whose data the file cannot hold raises ModelFormatError naming it (any
-    other failure of the reader propagates for the caller to report)."""
+    """The file's reader; a truncated or corrupt header or tensor raises ModelFormatError saying where
+    (any other failure of the reader propagates for the caller to report)."""
     try:
         return TensorNamingReader(path)
-    except TensorDataError as exc:
+    except (TensorDataError, HeaderError) as exc:
         raise ModelFormatError(f"{path}: {exc}") from exc
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -11,6 +12,10 @@ import gguf
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from rsmem.errors import ModelFormatError
+from rsmem.loaders.hparams import field_contents
+
+log = logging.getLogger("rsmem.loaders")
+MERGES = "tokenizer.ggml.merges"
 
 
 @dataclass(slots=True)
@@ -25,6 +30,11 @@ class TokenizerData:
     pad_id: int | None = None
     model: str = "gpt2"
     pre: str = "gpt-2"
+    source: str = ""  # the file it was read from, for error messages
+
+    def where(self) -> str:
+        """``"{source}: "`` to start an error message, or nothing."""
+        return f"{self.source}: " if self.source else ""
 
     def padded(self, n_vocab: int) -> TokenizerData:
         """The vocabulary padded with ``[PAD{i}]`` tokens up to ``n_vocab``, as llama.cpp's converter does."""
@@ -38,6 +48,7 @@ class TokenizerData:
             pad_id=self.pad_id,
             model=self.model,
             pre=self.pre,
+            source=self.source,
         )
 
 
@@ -78,16 +89,21 @@ def tokenizer_data_from_hf(folder: Path, config: dict) -> TokenizerData | None:
         bos_id=config.get("bos_token_id"),
         eos_id=config.get("eos_token_id"),
         pad_id=config.get("pad_token_id"),
+        source=str(path),
     )
 
 
-def tokenizer_data_from_gguf(reader: gguf.GGUFReader) -> TokenizerData | None:
-    """The ``gpt2`` vocabulary stored in a GGUF file's metadata, or None if it has another or none."""
+def tokenizer_data_from_gguf(reader: gguf.GGUFReader, n_vocab: int | None = None) -> TokenizerData | None:
+    """The ``gpt2`` vocabulary stored in a GGUF file's metadata, or None if it has another or none.
+
+    ``n_vocab``: the embedding's rows, when known. The vocabulary is checked: no more tokens than the
+    embedding has rows, one type per token, BOS and EOS ids naming tokens (a padding id that names none is
+    dropped with a warning, as llama.cpp drops it: rsmem never uses it)."""
     fields = reader.fields
 
     def value(key: str) -> object:
         f = fields.get(key)
-        return None if f is None else f.contents()
+        return None if f is None else field_contents(f, key)
 
     def strings(key: str) -> list[str]:
         v = value(key)
@@ -113,7 +129,7 @@ def tokenizer_data_from_gguf(reader: gguf.GGUFReader) -> TokenizerData | None:
 
     model = value("tokenizer.ggml.model")
     if model == "rwkv":  # the RWKV World vocabulary (see rsmem.loaders.rwkv_tokenizer): no merges
-        return TokenizerData(
+        data = TokenizerData(
             tokens=strings("tokenizer.ggml.tokens"),
             token_types=ints("tokenizer.ggml.token_type"),
             merges=[],
@@ -122,17 +138,42 @@ def tokenizer_data_from_gguf(reader: gguf.GGUFReader) -> TokenizerData | None:
             model="rwkv",
             pre="",
         )
-    if model != "gpt2":
+    elif model == "gpt2":
+        data = TokenizerData(
+            tokens=strings("tokenizer.ggml.tokens"),
+            token_types=ints("tokenizer.ggml.token_type"),
+            merges=strings("tokenizer.ggml.merges"),
+            bos_id=token_id("tokenizer.ggml.bos_token_id"),
+            eos_id=token_id("tokenizer.ggml.eos_token_id"),
+            pad_id=token_id("tokenizer.ggml.padding_token_id"),
+            pre=str(value("tokenizer.ggml.pre") or "gpt-2"),
+        )
+    else:
         return None
-    return TokenizerData(
-        tokens=strings("tokenizer.ggml.tokens"),
-        token_types=ints("tokenizer.ggml.token_type"),
-        merges=strings("tokenizer.ggml.merges"),
-        bos_id=token_id("tokenizer.ggml.bos_token_id"),
-        eos_id=token_id("tokenizer.ggml.eos_token_id"),
-        pad_id=token_id("tokenizer.ggml.padding_token_id"),
-        pre=str(value("tokenizer.ggml.pre") or "gpt-2"),
-    )
+    _check_vocabulary(data, n_vocab)
+    return data
+
+
+def _check_vocabulary(data: TokenizerData, n_vocab: int | None) -> None:
+    n = len(data.tokens)
+    if n_vocab is not None and n > n_vocab:
+        raise ModelFormatError(
+            f"GGUF metadata key 'tokenizer.ggml.tokens' has {n} tokens, more than the {n_vocab} rows of "
+            "the embedding (token_embd.weight)"
+        )
+    if data.token_types and len(data.token_types) != n:
+        raise ModelFormatError(
+            f"GGUF metadata key 'tokenizer.ggml.token_type' has {len(data.token_types)} entries for "
+            f"{n} tokens"
+        )
+    for key, token in (("bos_token_id", data.bos_id), ("eos_token_id", data.eos_id)):
+        if token is not None and not 0 <= token < n:
+            raise ModelFormatError(
+                f"GGUF metadata key 'tokenizer.ggml.{key}' is {token}, outside the vocabulary [0, {n})"
+            )
+    if data.pad_id is not None and not 0 <= data.pad_id < n:
+        log.warning("tokenizer.ggml.padding_token_id %d names no token (%d tokens): ignored", data.pad_id, n)
+        data.pad_id = None
 
 
 def build_tokenizer(data: TokenizerData) -> Tokenizer:
@@ -144,11 +185,17 @@ def build_tokenizer(data: TokenizerData) -> Tokenizer:
 
         return cast("Tokenizer", RwkvTokenizer.from_gguf(data.tokens, data.token_types))
     vocab = {tok: i for i, tok in enumerate(data.tokens)}
+    merges = []
+    for i, m in enumerate(data.merges):
+        left, space, right = m.partition(" ")
+        if not space:
+            raise ModelFormatError(f"{data.where()}BPE merge {i} ({m!r}) of {MERGES!r} is not two tokens")
+        merges.append((left, right))
     try:
-        merges = [(left, right) for left, right in (m.split(" ", 1) for m in data.merges)]
-    except ValueError as exc:  # a merge without its space
-        raise ModelFormatError(f"a BPE merge is not two tokens ({exc})") from exc
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        model = models.BPE(vocab=vocab, merges=merges, fuse_unk=False)
+    except Exception as exc:  # tokenizers raises a plain Exception for merges it cannot use
+        raise ModelFormatError(f"{data.where()}{_bad_merge(merges, vocab) or exc}") from exc
+    tok = Tokenizer(model)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     special = [
@@ -159,3 +206,16 @@ def build_tokenizer(data: TokenizerData) -> Tokenizer:
     if special:
         tok.add_special_tokens(special)
     return tok
+
+
+def _bad_merge(merges: list[tuple[str, str]], vocab: dict[str, int]) -> str | None:
+    """What is wrong with the first merge a BPE model cannot use: each side and their concatenation must be
+    tokens of the vocabulary."""
+    for i, (left, right) in enumerate(merges):
+        for part in (left, right, left + right):
+            if part not in vocab:
+                return (
+                    f"BPE merge {i} ({left + ' ' + right!r}) of {MERGES!r} needs {part!r}, which is not "
+                    "in the vocabulary ('tokenizer.ggml.tokens')"
+                )
+    return None

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rsmem.errors import ModelFormatError
+
 PLAIN_STOP = ("\nUser:",)
 
 
@@ -89,10 +91,13 @@ def load_chat_template(model_path: str | Path) -> str | None:
             value = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
             return value if isinstance(value, str) else None
         return None
-    import gguf
+    from rsmem.loaders.tensor_types import open_reader
 
-    reader = gguf.GGUFReader(path)
-    field = reader.get_field("tokenizer.chat_template")
+    field = open_reader(path).get_field("tokenizer.chat_template")
     if field is None:
         return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    try:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        key = "tokenizer.chat_template"
+        raise ModelFormatError(f"{path}: metadata key {key!r} is not UTF-8 text ({exc})") from exc
