@@ -6,6 +6,30 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from rsmem.errors import InvalidRequestError
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` is not Unicode text (a lone UTF-16 surrogate, which JSON's ``\\ud800`` escapes and
+    Python strings can hold, has no UTF-8 form), or None when it is."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        surrogate = f"U+{ord(text[exc.start]):04X}"
+        return f"is not valid Unicode text: a lone surrogate {surrogate} at character {exc.start}"
+    return None
+
+
+def check_text(text: str, name: str) -> None:
+    """InvalidRequestError naming the field ``name`` unless ``text`` is a string of Unicode text."""
+    if not isinstance(text, str):
+        raise InvalidRequestError(name, f"must be a string, got {type(text).__name__}")
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise InvalidRequestError(name, problem)
+
 
 @dataclass(slots=True)
 class TextTokenizer:
@@ -15,11 +39,15 @@ class TextTokenizer:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, name: str = "prompt") -> list[int]:
+        """The tokens of ``text``; InvalidRequestError naming the field ``name`` when it is not Unicode
+        text."""
+        check_text(text, name)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+    def encode_with_ends(self, text: str, name: str = "prompt") -> tuple[list[int], list[int]]:
         """The tokens of ``text`` and where each ends in it (a character offset, non-decreasing)."""
+        check_text(text, name)
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         ends, last = [], 0
         for _, end in enc.offsets:

@@ -9,6 +9,7 @@ Starlette raises (404, 405, body parse errors, validation errors, anything unexp
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from rsmem.errors import InvalidRequestError
+from rsmem.server.schemas import INVALID_TEXT
 
 log = logging.getLogger("rsmem.server")
 
@@ -121,9 +123,19 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     err = errors[0] if errors else {}
     if err.get("type") == "json_invalid":
         return error_response(400, f"invalid JSON body: {err.get('msg')}")
-    loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path"))
+    if err.get("type") == INVALID_TEXT:  # a model-level check: its path is in the error's context
+        return error_response(400, str(err.get("msg")), param=str(err.get("ctx", {}).get("path")))
+    loc = json_path(p for p in err.get("loc", ()) if p not in ("body", "query", "path"))
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return error_response(400, f"{loc or 'body'}: {err.get('msg')}{more}", param=loc or None)
+
+
+def json_path(parts: Iterable[object]) -> str:
+    """A pydantic location as a JSON path: ``messages[0].role``."""
+    path = ""
+    for p in parts:
+        path += f"[{p}]" if isinstance(p, int) else f".{p}" if path else str(p)
+    return path
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -1,12 +1,20 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic): JSON types and OpenAI's documented
-ranges. What depends on the model or the server's limits (vocabulary, slots, prompt length,
-``max_tokens`` limit) is checked by the engine, once."""
+ranges, and text that is Unicode (JSON's ``\\ud800`` escapes can carry a lone UTF-16 surrogate, which no
+tokenizer, template or response can take: an ``invalid_text`` error naming its JSON path, e.g.
+``messages[0].content``). What depends on the model or the server's limits (vocabulary, slots, prompt
+length, ``max_tokens`` limit) is checked by the engine, once."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from rsmem.engine.tokenizer import unicode_problem
+
+INVALID_TEXT = "invalid_text"  # the pydantic error type of text that is not Unicode; ctx["path"] names it
 
 
 class StreamOptions(BaseModel):
@@ -47,6 +55,25 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return stops
 
+    def texts(self) -> Iterator[tuple[str, str]]:
+        """Every text field of the request the server uses, with its JSON path."""
+        for name in ("model", "user"):
+            value = getattr(self, name)
+            if value is not None:
+                yield name, value
+        stops = self.stop or []
+        for i, stop in enumerate(stops):
+            yield ("stop" if len(stops) == 1 else f"stop[{i}]"), stop
+
+    @model_validator(mode="after")
+    def _unicode(self) -> _SamplingFields:
+        for path, text in self.texts():
+            problem = unicode_problem(text)
+            if problem is not None:
+                context = {"path": path, "problem": problem}
+                raise PydanticCustomError(INVALID_TEXT, "{path} {problem}", context)
+        return self
+
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
@@ -75,6 +102,15 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not be empty")
         return v
 
+    def texts(self) -> Iterator[tuple[str, str]]:
+        yield from super().texts()
+        if isinstance(self.prompt, str):
+            yield "prompt", self.prompt
+            return
+        for i, p in enumerate(self.prompt):
+            if isinstance(p, str):
+                yield f"prompt[{i}]", p
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -87,12 +123,26 @@ class ChatMessage(BaseModel):
             return "".join(str(part.get("text", "")) for part in self.content if part.get("type") == "text")
         return self.content or ""
 
+    def texts(self, path: str) -> Iterator[tuple[str, str]]:
+        """The text this message gives the chat template, with its JSON path (``path`` is the message's)."""
+        if isinstance(self.content, str):
+            yield f"{path}.content", self.content
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            text = part.get("text")
+            if part.get("type") == "text" and isinstance(text, str):
+                yield f"{path}.content[{j}].text", text
+
 
 class ChatRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def texts(self) -> Iterator[tuple[str, str]]:
+        yield from super().texts()
+        for i, m in enumerate(self.messages):
+            yield from m.texts(f"messages[{i}]")
 
 
 class SlotAction(BaseModel):
