@@ -20,6 +20,7 @@ from rsmem.server.errors import INVALID, SERVER, error_body, error_response
 from rsmem.server.state import AppState
 
 UNMATCHED = "other"  # the metrics label of every path that no route matches
+CLIENT_GONE = 499  # the status counted for a request whose client left before its answer was complete
 
 
 def route_label(routes: Sequence[BaseRoute], scope: Scope) -> str:
@@ -37,7 +38,11 @@ def route_label(routes: Sequence[BaseRoute], scope: Scope) -> str:
 
 
 class MetricsMiddleware:
-    """Counts every answer by route template and status code (what ``/metrics`` reports)."""
+    """Counts every answer by route template and status code (what ``/metrics`` reports).
+
+    A request whose client went away before its answer was complete counts as 499, whether the answer
+    had not started (a JSON answer: the route answers 499 itself) or was streaming (the 200 was sent
+    with the stream's first event, then the stream was cut)."""
 
     def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute], counts: Counter[tuple[str, int]]) -> None:
         self.app, self.routes, self.counts = app, routes, counts
@@ -48,17 +53,30 @@ class MetricsMiddleware:
             return
         label = route_label(self.routes, scope)
         status = 500  # what the client sees if the app raises before answering
+        complete = gone = False
+
+        async def watching_receive() -> Message:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
 
         async def counting_send(message: Message) -> None:
-            nonlocal status
+            nonlocal status, complete, gone
             if message["type"] == "http.response.start":
                 status = message["status"]
-            await send(message)
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+            try:
+                await send(message)
+            except OSError:  # a server that reports the client's leaving on send (ASGI 2.4)
+                gone = True
+                raise
 
         try:
-            await self.app(scope, receive, counting_send)
+            await self.app(scope, watching_receive, counting_send)
         finally:
-            self.counts[(label, status)] += 1
+            self.counts[(label, CLIENT_GONE if gone and not complete else status)] += 1
 
 
 class GateMiddleware:
