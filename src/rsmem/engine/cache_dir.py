@@ -25,6 +25,11 @@ layout is ignored all the same.
   a file that fails is logged, deleted and forgotten, and never served.
 - **Budget**: ``budget_bytes`` of files (``--cache-disk``, MiB); past it, the entries worth least per byte
   go first (the same score as in RAM, :mod:`rsmem.engine.prefix_cache`) and their files are deleted.
+- **A folder that is not writable** (a read-only mount, a pre-filled cache shared by several servers):
+  found at start with one warning; its files are read and served, nothing is written or deleted there,
+  and new checkpoints stay in RAM. A write that fails later (a full disk) is counted in
+  ``stats.write_errors``, never in ``stats.written`` (files actually written), and its entry is forgotten
+  at its first use; the first of a run of failures is logged as a warning, the rest at debug level.
 
 Not thread-safe: the engine's thread owns it (the writer thread only writes and deletes files).
 """
@@ -99,7 +104,7 @@ class DiskStats:
     loaded: int = 0
     corrupt: int = 0  # files dropped: unreadable, truncated, failing a checksum
     foreign: int = 0  # files of another model or memory shape, ignored
-    write_errors: int = 0
+    write_errors: int = 0  # files that could not be written
     evictions: int = 0
 
 
@@ -116,6 +121,9 @@ class DiskCache:
         self.dir = Path(root) / fingerprint.hex()[:16]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.stats = DiskStats()
+        self.writable = self._probe()
+        self._failed: set[Path] = set()  # entries whose write failed (the writer thread adds them)
+        self._failing = False  # the last write failed: the next failure is logged at debug level
         self.tree: PrefixCache[DiskEntry] = PrefixCache(budget_bytes, on_evict=self._evicted)
         self._pending: dict[Path, Checkpoint] = {}  # entries whose file is still to be written
         self._pending_lock = threading.Lock()
@@ -151,6 +159,12 @@ class DiskCache:
         if found is None or found.n_tokens != len(tokens):
             return None
         path = found.payload.path
+        with self._pending_lock:
+            unwritten = path in self._failed
+            self._failed.discard(path)
+        if unwritten:  # its write failed (counted and logged then): forgotten, not a corrupt file
+            self.tree.remove(found.handle)
+            return None
         try:
             with self._pending_lock:
                 pending = self._pending.get(path)
@@ -179,7 +193,9 @@ class DiskCache:
 
     def put(self, tokens: Sequence[int], ckpt: Checkpoint) -> bool:
         """Keep ``ckpt`` as the checkpoint after ``tokens`` (replacing the file of the same key), written
-        in the background; False when it does not fit the budget."""
+        in the background; False when it does not fit the budget or the folder is not writable."""
+        if not self.writable:
+            return False
         key = [int(t) for t in tokens]
         n_kv = 0 if ckpt.kv is None else len(ckpt.kv.positions)  # a hybrid's KV prefix
         size = cf.entry_size(self.layout, len(key), ckpt.codec, n_kv)
@@ -194,8 +210,8 @@ class DiskCache:
             return False  # only pins refuse a fitting entry, and nothing pins these
         with self._pending_lock:
             self._pending[path] = ckpt
+            self._failed.discard(path)
         WRITER.submit(lambda: self._write(path, key, ckpt))
-        self.stats.written += 1
         return True
 
     def _write(self, path: Path, key: list[int], ckpt: Checkpoint) -> None:
@@ -208,9 +224,21 @@ class DiskCache:
                 f.write(data)
             os.replace(tmp, path)
             tmp = None
-        except OSError as exc:  # the entry stays in the tree; reading it will find no file and drop it
-            log.warning("cache dir: cannot write %s: %s", path.name, exc)
+            self.stats.written += 1
+            self._failing = False
+        except OSError as exc:  # the entry is forgotten at its first use (see load)
             self.stats.write_errors += 1
+            with self._pending_lock:
+                self._failed.add(path)
+            if self._failing:
+                log.debug("cache dir: cannot write %s: %s", path.name, exc)
+            else:
+                log.warning(
+                    "cache dir: cannot write %s: %s (further failures are counted, not logged)",
+                    path.name,
+                    exc,
+                )
+            self._failing = True
         finally:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
@@ -219,10 +247,29 @@ class DiskCache:
                     del self._pending[path]
 
     def _delete(self, path: Path) -> None:
-        """Delete ``path`` after the writes queued before (an entry evicted while its write waits)."""
+        """Delete ``path`` after the writes queued before (an entry evicted while its write waits); in a
+        folder that is not writable, nothing is deleted."""
         with self._pending_lock:
             self._pending.pop(path, None)
-        WRITER.submit(lambda: path.unlink(missing_ok=True))
+            self._failed.discard(path)
+        if self.writable:
+            WRITER.submit(lambda: _unlink(path))
+
+    def _probe(self) -> bool:
+        """Whether files can be created in the folder (a file is created and deleted); one warning when
+        they cannot."""
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".probe.", suffix=".tmp", dir=self.dir)
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as exc:
+            log.warning(
+                "cache dir: %s is not writable (%s): its checkpoints are read, new ones are kept in RAM only",
+                self.dir,
+                exc.strerror or exc,
+            )
+            return False
+        return True
 
     # ------------------------------------------------------------- internals
 
@@ -233,7 +280,8 @@ class DiskCache:
     def _scan(self) -> None:
         for path in sorted(self.dir.iterdir()):
             if path.name.endswith(".tmp"):  # a write that never finished
-                path.unlink(missing_ok=True)
+                if self.writable:
+                    _unlink(path)
                 continue
             if not path.name.endswith(SUFFIX) or not path.is_file():
                 continue
@@ -261,7 +309,8 @@ class DiskCache:
         except (OSError, StateFormatError) as exc:
             log.warning("cache dir: dropping %s: %s", path.name, exc)
             self.stats.corrupt += 1
-            path.unlink(missing_ok=True)
+            if self.writable:
+                _unlink(path)
             return None
         try:
             cf.check_header(header, kind=cf.KIND_ENTRY, layout=self.layout, fingerprint=self.fingerprint)
@@ -270,3 +319,11 @@ class DiskCache:
             self.stats.foreign += 1
             return None
         return header.key_tokens
+
+
+def _unlink(path: Path) -> None:
+    """Delete a file; a failure is logged (the file stays, and is found again at the next start)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cache dir: cannot delete %s: %s", path.name, exc)

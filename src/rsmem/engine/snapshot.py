@@ -78,6 +78,7 @@ def _cache_figures(s: EngineStats, cache: CheckpointCache | None) -> dict[str, i
             "disk_bytes": disk.nbytes,
             "disk_restores": cache.stats.disk_restores,
             "disk_written": disk.stats.written,
+            "disk_write_errors": disk.stats.write_errors,
             "disk_corrupt": disk.stats.corrupt,
             "disk_evictions": disk.stats.evictions,
         }

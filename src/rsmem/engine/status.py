@@ -113,6 +113,7 @@ class EngineSnapshot:
     disk_bytes: int = 0
     disk_restores: int = 0  # restores read from --cache-dir
     disk_written: int = 0
+    disk_write_errors: int = 0  # checkpoint files that could not be written
     disk_corrupt: int = 0  # files dropped as unreadable
     disk_evictions: int = 0
     checkpoints_added: int = 0  # from saved slots and sessions

@@ -134,6 +134,12 @@ async def metrics(request: Request) -> PlainTextResponse:
             "rsmem_cache_dir_restores_total", "counter", "Restores read from --cache-dir.", m.disk_restores
         ),
         _metric("rsmem_cache_dir_written_total", "counter", "Checkpoint files written.", m.disk_written),
+        _metric(
+            "rsmem_cache_dir_write_errors_total",
+            "counter",
+            "Checkpoint files that could not be written.",
+            m.disk_write_errors,
+        ),
         _metric("rsmem_cache_dir_corrupt_total", "counter", "Unreadable files dropped.", m.disk_corrupt),
         _metric("rsmem_cache_dir_evictions_total", "counter", "Checkpoint files deleted.", m.disk_evictions),
         "# HELP rsmem_prompt_cache_hits_total Prompts continued from a kept state, by kind.",
