@@ -122,17 +122,30 @@ def changed_choices(
 @dataclass(slots=True)
 class CompletionChunks:
     """``text_completion`` chunks: one per choice with new text, tokens (when log-probs are asked) or
-    a finish reason."""
+    a finish reason. With ``echo`` (``echoes``: choice -> its prompt's text), each choice's prompt comes
+    first, in a chunk of its own sent before any token, and ``text_offset`` counts from its start (as in
+    the JSON answer, whose text is the prompt followed by the completion)."""
 
     env: Envelope
     token_text: TokenText
     with_usage: bool = False
+    echoes: dict[int, str] = field(default_factory=dict)
     offsets: dict[int, int] = field(default_factory=dict)  # choice -> text_offset of its next token
+
+    def opening(self) -> list[Json]:
+        """The echoed prompts, one chunk per choice, in choice order."""
+        result = []
+        for index, text in sorted(self.echoes.items()):
+            if text:
+                choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+                result.append(self.env.wrap("text_completion", [choice], **self._usage_field()))
+        return result
 
     def chunks(self, out: RequestOutput) -> list[Json]:
         result = []
         for c, index, lps in changed_choices(self.env, out):
-            logprobs = completion_logprobs(lps, self.token_text, self.offsets.get(index, 0))
+            start = self.offsets.get(index, len(self.echoes.get(index, "")))
+            logprobs = completion_logprobs(lps, self.token_text, start)
             if logprobs is not None and logprobs["text_offset"]:
                 self.offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             choice = {
@@ -159,6 +172,10 @@ class ChatChunks:
     token_text: TokenText
     with_usage: bool = False
     started: set[int] = field(default_factory=set)
+
+    def opening(self) -> list[Json]:
+        """Nothing before the first token (its chunk carries the role)."""
+        return []
 
     def chunks(self, out: RequestOutput) -> list[Json]:
         result = []

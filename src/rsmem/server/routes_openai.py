@@ -89,18 +89,19 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     params = sampling_params(body, body.max_tokens)
     sub = await submit(state, prompts, params, slot_of(body), "cmpl")
     env = Envelope(sub.request_ids[0], int(time.time()), state.settings.model_name, sub.request_ids, body.n)
+    echoes = [echo_text(state, prompt) if body.echo else "" for prompt in prompts]
     if body.stream:
-        fmt = CompletionChunks(env, state.token_text, include_usage(body))
+        by_choice = {k * body.n + i: echo for k, echo in enumerate(echoes) for i in range(body.n)}
+        fmt = CompletionChunks(env, state.token_text, include_usage(body), echoes=by_choice)
         return event_stream(state, sub, fmt, include_usage(body))
     outs = await collect(request, state.runner, sub)
     choices = []
-    for prompt, out in zip(prompts, outs, strict=True):
-        echo = echo_text(state, prompt) if body.echo else ""
+    for echo, out in zip(echoes, outs, strict=True):
         for c in out.outputs:
             choice = {
                 "index": env.index(out.request_id, c),
                 "text": echo + c.text,
-                "logprobs": completion_logprobs(c.logprobs, state.token_text),
+                "logprobs": completion_logprobs(c.logprobs, state.token_text, len(echo)),
                 "finish_reason": finish_reason(c),
             }
             if body.return_token_ids:

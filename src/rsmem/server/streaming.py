@@ -37,6 +37,8 @@ class ClientGoneError(ApiError):
 
 
 class ChunkFormat(Protocol):
+    def opening(self) -> list[dict[str, Any]]: ...
+
     def chunks(self, out: RequestOutput) -> list[dict[str, Any]]: ...
 
     def usage_chunk(self, outs: Sequence[RequestOutput]) -> dict[str, Any]: ...
@@ -102,6 +104,9 @@ async def stream_events(
     cancels this generator, whose ``finally`` aborts what did not finish."""
     finals: dict[str, RequestOutput] = {}
     try:
+        opening = fmt.opening()  # completions' echoed prompts
+        if opening:
+            yield b"".join(map(sse, opening))
         while len(finals) < len(sub.request_ids):
             events: list[bytes] = []
             for out in await reports_ready(sub):  # one write for all the reports that wait
