@@ -1,6 +1,9 @@
 """rsmem: recurrent language models on a recurrent-state memory with llama.cpp's semantics."""
 
-# first, before anything imports torch: OpenMP's idle threads sleep instead of spinning (rsmem.threads)
+# first: Ctrl-C while the rsmem command loads torch exits quietly (rsmem.startup; other programs: no change)
+import rsmem.startup  # isort: skip
+
+# before anything imports torch: OpenMP's idle threads sleep instead of spinning (rsmem.threads)
 import rsmem.threads  # isort: skip
 import rsmem.malloc  # isort: skip
 from rsmem.batch import Batch, BatchAllocator, UBatch

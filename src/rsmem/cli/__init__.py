@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from rsmem import startup
 from rsmem.cli import chat, generate, quantize, serve, tools
 from rsmem.cli.sampling import FLAG_OF_FIELD
 from rsmem.errors import InvalidRequestError, RsmemError
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     _check_positive(args, parser)
     if getattr(args, "check", None) is not None:
         args.check(args)
+    startup.release()  # Ctrl-C raises KeyboardInterrupt again: caught below
     try:
         code = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit

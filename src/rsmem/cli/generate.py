@@ -2,8 +2,9 @@
 ``--prompts-file`` decoded together.
 
 The prompt is given one way: an argument, ``-p TEXT`` (escapes processed, as llama-cli), ``-f FILE``
-(the whole file, one final newline dropped, as llama-cli) or stdin. Ctrl-C stops the generation: the
-text so far, the statistics line and ``--save-state`` are still written, and the exit code is 130.
+(the whole file, one final newline dropped, as llama-cli) or stdin. Ctrl-C or SIGTERM stops the
+generation: the text so far, the statistics line and ``--save-state`` are still written, and the exit code
+is 130 (143 after SIGTERM).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from rsmem.errors import RsmemError
 
 if TYPE_CHECKING:
     from rsmem.engine import LLM, RequestOutput, SamplingParams
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -89,7 +88,7 @@ def _generate_one(llm: LLM, prompt: str, params: SamplingParams, args: argparse.
     rid = engine.add_request(prompt, params, session=session)
     if not args.load_state:
         write_out(prompt)
-    with Interrupt(second_raises=True) as stop:
+    with Interrupt(second_raises=True, terminate=True) as stop:
         streamed = stream_request(engine, rid, write_out, stop)
     write_out("\n")
     if args.save_state and session is not None:
@@ -98,7 +97,7 @@ def _generate_one(llm: LLM, prompt: str, params: SamplingParams, args: argparse.
             f"[saved {len(session.tokens)} tokens of state to {args.save_state}, {size} bytes]\n"
         )
     report_speed(engine, time.perf_counter() - started)
-    return EXIT_INTERRUPTED if streamed.interrupted else 0
+    return stop.exit_code if streamed.interrupted else 0
 
 
 def _generate_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int:
@@ -106,7 +105,7 @@ def _generate_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int
     started = time.perf_counter()
     ids = engine.add_requests(prompts, params)
     latest: dict[str, RequestOutput] = {}
-    with Interrupt(second_raises=True) as stop:
+    with Interrupt(second_raises=True, terminate=True) as stop:
         while engine.has_unfinished and not stop.requested:
             for out in engine.step():
                 latest[out.request_id] = out
@@ -122,4 +121,4 @@ def _generate_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int
     report_speed(engine, time.perf_counter() - started)
     if failed:
         raise RsmemError("generation failed: " + "; ".join(failed))
-    return EXIT_INTERRUPTED if stop.requested else 0
+    return stop.exit_code if stop.requested else 0

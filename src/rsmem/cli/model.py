@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rsmem.errors import RsmemError
+from rsmem.startup import interrupt_exits
 from rsmem.threads import use_threads
 
 if TYPE_CHECKING:
@@ -69,7 +70,13 @@ def ctx_size(args: argparse.Namespace) -> int | None:
 
 
 def load(args: argparse.Namespace, n_seq_max: int) -> LLM:
-    """The model of ``-m`` with a context of ``n_seq_max`` sequences; compiled now if it compiles."""
+    """The model of ``-m`` with a context of ``n_seq_max`` sequences; compiled now if it compiles. Ctrl-C
+    meanwhile exits with 130 at once (:func:`rsmem.startup.interrupt_exits`)."""
+    with interrupt_exits():
+        return _load(args, n_seq_max)
+
+
+def _load(args: argparse.Namespace, n_seq_max: int) -> LLM:
     from rsmem.engine import LLM
 
     path = model_path(args.model)

@@ -1,16 +1,19 @@
 """Driving the engine from a terminal: streaming one request, Ctrl-C, progress and speed lines.
 
-Ctrl-C never interrupts an engine step. While a request streams, SIGINT only sets a flag
-(:class:`Interrupt`) that the step loop reads between steps; the request is then aborted through
-``engine.abort``, which leaves the engine (and a session's state) consistent, so it can be saved.
+Ctrl-C never interrupts an engine step. While a request streams, SIGINT (and SIGTERM, where the command
+treats it as Ctrl-C) only sets a flag (:class:`Interrupt`) that the step loop reads between steps; the
+request is then aborted through ``engine.abort``, which leaves the engine (and a session's state)
+consistent, so it can be saved.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, TextIO
@@ -62,35 +65,73 @@ def report_speed(engine: Engine, wall: float) -> None:
 
 
 class Interrupt:
-    """Within ``with Interrupt() as stop:``, Ctrl-C sets ``stop.requested`` instead of raising.
+    """Within ``with Interrupt() as stop:``, Ctrl-C (and SIGTERM, with ``terminate``) sets
+    ``stop.requested`` instead of raising; ``stop.signum`` is the first signal, ``stop.exit_code`` what
+    the command then exits with (128 + it, as a shell reports a program the signal ended).
 
-    With ``second_raises``, a second Ctrl-C before the first was handled raises ``KeyboardInterrupt``
-    (a way out if something hangs). Outside the main thread signals cannot be caught: it does nothing.
+    With ``second_raises``, a second signal before the first was handled ends the program (a way out if
+    something hangs): a Ctrl-C raises ``KeyboardInterrupt``, a SIGTERM kills as SIGTERM does. Outside the
+    main thread signals cannot be caught: it does nothing.
     """
 
-    def __init__(self, *, second_raises: bool = False) -> None:
-        self.requested = False
+    def __init__(self, *, second_raises: bool = False, terminate: bool = False) -> None:
+        self.signum: int | None = None
         self.second_raises = second_raises
-        self._previous: Callable[[int, FrameType | None], object] | int | None = None
-        self._installed = False
+        self.signals = (signal.SIGINT, signal.SIGTERM) if terminate else (signal.SIGINT,)
+        self._previous: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGINT)
 
     def __enter__(self) -> Interrupt:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested and self.second_raises:
-            raise KeyboardInterrupt
-        self.requested = True
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        if self.signum is None:
+            self.signum = signum
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where nothing runs in the engine (see :func:`sigterm_raises`)."""
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` while the block runs (in the main thread; an
+    :class:`Interrupt` inside it takes SIGTERM over while it is active), so a command can still save
+    and report: for the time spent waiting for input, where no engine step can be cut."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: FrameType | None) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ import argparse
 
 from rsmem import settings
 from rsmem.cli.model import add_model_options, load, model_path, prepare_kernels
+from rsmem.startup import interrupt_exits
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -128,8 +129,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options.check()
     sock = bind_socket(options.host, options.port)
     try:
-        llm = load(args, n_seq_max=args.parallel)
-        prepare_kernels(llm.model)
+        with interrupt_exits():  # Ctrl-C exits with 130 at once: nothing is served yet
+            llm = load(args, n_seq_max=args.parallel)
+            prepare_kernels(llm.model)
     except BaseException:
         sock.close()
         raise
