@@ -20,6 +20,7 @@ from rsmem.cli.model import add_model_options, load
 from rsmem.cli.run import (
     Interrupt,
     Terminated,
+    note_context_full,
     open_session,
     report_speed,
     save_state,
@@ -101,6 +102,7 @@ def _reply(engine: Engine, session: Session, line: str, params: SamplingParams) 
         rid = engine.add_request(line.rstrip("\n") + "\n", params, session=session)
         streamed = stream_request(engine, rid, write_out, stop)
     write_out("\n")
+    note_context_full(streamed, params.max_tokens)
     if streamed.interrupted:
         sys.stderr.write("[interrupted]\n")
     if stop.signum == signal.SIGTERM:

@@ -21,7 +21,15 @@ from rsmem.cli.inputs import (
     read_prompts,
 )
 from rsmem.cli.model import add_model_options, load
-from rsmem.cli.run import Interrupt, open_session, report_speed, save_state, stream_request, write_out
+from rsmem.cli.run import (
+    Interrupt,
+    note_context_full,
+    open_session,
+    report_speed,
+    save_state,
+    stream_request,
+    write_out,
+)
 from rsmem.cli.sampling import add_sampling_options, check_sampling_args, sampling_params
 from rsmem.errors import RsmemError
 
@@ -91,6 +99,7 @@ def _generate_one(llm: LLM, prompt: str, params: SamplingParams, args: argparse.
     with Interrupt(second_raises=True, terminate=True) as stop:
         streamed = stream_request(engine, rid, write_out, stop)
     write_out("\n")
+    note_context_full(streamed, params.max_tokens)
     if args.save_state and session is not None:
         size = save_state(engine, session, args.save_state)
         sys.stderr.write(

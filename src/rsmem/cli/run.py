@@ -176,6 +176,16 @@ def stream_request(
     return Streamed(last, interrupted=True)
 
 
+def note_context_full(streamed: Streamed, max_tokens: int | None) -> None:
+    """Say so on stderr when a reply ended short of ``max_tokens`` (None: no limit) because the sequence's
+    context is full (a hybrid model's KV cells: the engine caps the reply there)."""
+    last = streamed.last
+    if streamed.interrupted or last is None or last.outputs[0].finish_reason != "length":
+        return
+    if max_tokens is None or len(last.outputs[0].token_ids) < max_tokens:
+        sys.stderr.write("[the context is full: the sequence's KV cells hold no more tokens (-c)]\n")
+
+
 def _show_prefill(engine: Engine, request_id: str, progress: Progress) -> None:
     done_total = engine.request_progress(request_id)
     if done_total is not None:
