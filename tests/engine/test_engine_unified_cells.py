@@ -106,3 +106,30 @@ def test_a_checkpoint_that_finds_no_cells_is_prefilled_instead(loaded):
     ctx.memory.seq_rm(2, -1, -1)
     assert cache.restore_best(prompt, 1, 0) == 99
     assert ctx.memory.seq_pos_max(1) == 98
+
+
+def _cached_slots(engine: Engine) -> list[int]:
+    return [s for s in range(engine.ctx.n_seq_max) if engine.pool.cached_tokens(s)]
+
+
+def test_a_sequence_file_restores_while_idle_slots_hold_the_cells(loaded, tmp_path):
+    """Restoring a sequence file (into a slot, or a session) clears the idle slots' cached states that
+    hold the cells it needs, as a request does."""
+    _, model, tokenizer = loaded
+    engine = _engine(model, tokenizer, 2, checkpoints=False)
+    path = str(tmp_path / "a.ggsq")
+    _run(engine, "a " * 100)
+    (slot,) = _cached_slots(engine)
+    n_tokens, _ = engine.slot_save(slot, path)
+    _run(engine, "b " * 100)  # its cells come from the 'a' state, which gives way
+    (other,) = _cached_slots(engine)
+    target = 1 - other
+    assert engine.slot_restore(target, path) == n_tokens  # NoSlotError before: 'b' held the cells
+    assert _cached_slots(engine) == [target]
+    session = engine.open_session(path)  # the restored 'a' state gives way to the session's copy
+    assert len(session.tokens) == n_tokens and _cached_slots(engine) == []
+    engine.add_request("a", SamplingParams.greedy(max_tokens=4), session=session)
+    assert [o for o in engine.run_until_done() if o.finished][0].outputs[
+        0
+    ].finish_reason is FinishReason.LENGTH
+    engine.ctx.memory.check_invariants()

@@ -123,9 +123,9 @@ class Engine:
             if cache_bytes > 0
             else None
         )
-        self.kept = KeptSequences(context, self.pool, self.checkpoints)
-        self.builder = RequestBuilder(self.limits, tokenizer)
         self.reuse = PromptReuse(self.pool, self.checkpoints, self.stats, memory)
+        self.kept = KeptSequences(context, self.pool, self.checkpoints, self.reuse)
+        self.builder = RequestBuilder(self.limits, tokenizer)
         self.admission = Admission(
             self.pool, self.reuse, self.checkpoints, self.stats, self.waiting, self.running
         )

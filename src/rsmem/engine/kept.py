@@ -23,7 +23,8 @@ from rsmem.context import Context
 from rsmem.engine.checkpoints import CheckpointCache
 from rsmem.engine.pool import SequencePool
 from rsmem.engine.request import Session
-from rsmem.errors import InvalidRequestError, NoFreeSequenceError, StateFormatError
+from rsmem.engine.reuse import PromptReuse
+from rsmem.errors import InvalidRequestError, NoFreeSequenceError, NoSlotError, StateFormatError
 from rsmem.memory import checkpoint_file as cf
 from rsmem.memory.checkpoint import Checkpoint
 from rsmem.memory.state_io import atomic_write
@@ -39,11 +40,17 @@ def companion_path(path: str | os.PathLike[str]) -> Path:
 
 class KeptSequences:
     def __init__(
-        self, context: Context, pool: SequencePool, checkpoints: CheckpointCache | None = None
+        self,
+        context: Context,
+        pool: SequencePool,
+        checkpoints: CheckpointCache | None = None,
+        reuse: PromptReuse | None = None,
     ) -> None:
+        """``reuse``: where KV cells are shared, it clears idle slots' cached states to make room."""
         self.ctx = context
         self.pool = pool
         self.checkpoints = checkpoints
+        self.reuse = reuse
 
     # ------------------------------------------------------------ sessions
 
@@ -58,7 +65,7 @@ class KeptSequences:
         seq = self.pool.best_free([])
         self.pool.take(seq, [])
         try:
-            tokens = self.ctx.state_seq_load_file(path, seq) if path is not None else []
+            tokens = self._load_file(path, seq) if path is not None else []
         except BaseException:
             self.pool.release(seq, None)
             raise
@@ -76,6 +83,8 @@ class KeptSequences:
             raise RuntimeError("the session is closed")
         while session.pending:  # in pieces of n_batch: a prompt interrupted early leaves a long tail
             piece = session.pending[: self.ctx.n_batch]
+            if self.reuse is not None:
+                self.reuse.make_room(len(piece))
             self.ctx.decode(Batch(piece, seq_ids=[[session.seq_id]] * len(piece)))
             session.tokens += piece
             del session.pending[: len(piece)]
@@ -110,7 +119,7 @@ class KeptSequences:
         """A prompt extending the file's tokens continues from its state. A file that does not load
         (truncated, corrupt, non-finite) leaves the slot as it was."""
         self._idle_slot(slot)
-        tokens = self.ctx.state_seq_load_file(path, slot)
+        tokens = self._load_file(path, slot)
         self.pool.set_cached(slot, tokens if tokens or self.ctx.memory.seq_pos_max(slot) >= 0 else None)
         self._load_checkpoints(path, tokens, slot)
         return len(tokens)
@@ -118,6 +127,27 @@ class KeptSequences:
     def slot_erase(self, slot: int) -> int:
         self._idle_slot(slot)
         return self.pool.erase(slot)
+
+    def _load_file(self, path: str, seq: int) -> list[int]:
+        """Load a sequence file into ``seq``; returns its tokens. Where KV cells are shared, idle slots'
+        cached states give way (the one cached longest ago first) until the file's cells fit."""
+        loaded: list[list[int]] = []
+
+        def fits() -> bool:
+            try:
+                loaded.append(self.ctx.state_seq_load_file(path, seq))
+            except NoSlotError:
+                if self.reuse is None or not self.reuse.shares_cells:
+                    raise
+                return False
+            return True
+
+        if not self.pool.evict_until(fits):
+            raise NoSlotError(
+                f"no free KV cells to restore {Path(path).name} into sequence {seq}, even with every idle "
+                "slot's cached state cleared: the running requests and sessions hold them"
+            )
+        return loaded[0]
 
     # --------------------------------------------------------- checkpoints
 

@@ -59,6 +59,11 @@ class PromptReuse:
         self.stats.cached_prompt_tokens += n
         self.stats.count_cache_use(kind)
 
+    @property
+    def shares_cells(self) -> bool:
+        """Whether every sequence's KV rows share one set of cells (cached states give way to others)."""
+        return self._shared is not None
+
     def make_room(self, n_tokens: int) -> bool:
         """Before a decode of ``n_tokens`` new positions: in shared cells, clear cached states until
         that many cells are free; returns whether they are (always, where cells are not shared)."""
