@@ -249,3 +249,16 @@ def test_a_state_file_that_does_not_load_names_the_flag_and_file(fast_load, tmp_
     err = capsys.readouterr().err
     assert err.startswith(f"rsmem: error: --load-state {path}: ") and "non-finite" in err
     assert err.count("\n") == 1
+
+
+def test_prompts_file_gives_prompt_k_the_seed_plus_k(tmp_path, fast_load, capsys):
+    """The same prompt twice with --seed S: the two samples differ (seeds S and S + 1), and the second
+    equals a lone run with --seed S + 1."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ROMEO:\nROMEO:\n")
+    args = ["-n", "24", "--temp", "1.5", "--top-k", "0", "--top-p", "1", "--min-p", "0"]
+    assert main(["generate", "--prompts-file", str(prompts), "--parallel", "2", "--seed", "7", *args]) == 0
+    texts = re.split(r"^--- prompt \d ---\n", capsys.readouterr().out, flags=re.M)[1:]
+    assert texts[0] != texts[1]
+    assert main(["generate", "-p", "ROMEO:", "--seed", "8", *args]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == texts[1].rstrip("\n")

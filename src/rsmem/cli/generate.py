@@ -10,6 +10,7 @@ is 130 (143 after SIGTERM).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -112,7 +113,12 @@ def _generate_one(llm: LLM, prompt: str, params: SamplingParams, args: argparse.
 def _generate_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int:
     engine = llm.engine
     started = time.perf_counter()
-    ids = engine.add_requests(prompts, params)
+    # prompt k samples with seed + k, as the k-th of n completions does: similar prompts part ways
+    seeded = [
+        params if params.seed is None else dataclasses.replace(params, seed=params.seed + k)
+        for k in range(len(prompts))
+    ]
+    ids = engine.add_requests(prompts, seeded)
     latest: dict[str, RequestOutput] = {}
     with Interrupt(second_raises=True, terminate=True) as stop:
         while engine.has_unfinished and not stop.requested:
