@@ -5,32 +5,19 @@ slot for a batch of 199 tokens``, the third ``no free cells to restore a checkpo
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import httpx
-import uvicorn
+from test_hybrid_server import serving
 
 from rsmem.engine import LLM, SamplingParams
-from rsmem.server import ServeOptions, bind_socket, build_app
 
 PATH = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "lfm2" / "model-f32.gguf"
 
 
 def test_a_unified_server_serves_requests_that_fit_the_shared_cells():
     llm = LLM(PATH, n_seq_max=2, n_ctx=256, kv_unified=True)
-    served = build_app(llm, ServeOptions(alias="m", model_path=PATH))  # the defaults: both caches on
-    sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(served.app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
+    with serving(llm) as url:  # the defaults: both caches on
         texts = []
         for prompt in ("a " * 100, "b " * 100, "a " * 100):
             body = {"model": "m", "prompt": prompt, "max_tokens": 50, "temperature": 0}
@@ -39,11 +26,6 @@ def test_a_unified_server_serves_requests_that_fit_the_shared_cells():
             texts.append(r.json()["choices"][0]["text"])
         health = httpx.get(f"{url}/health", timeout=10).json()
         assert health["status"] == "ok", health
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        served.runner.stop()
-        sock.close()
     assert texts[2] == texts[0]
     alone = LLM(PATH, n_seq_max=1, n_ctx=256)
     assert texts[1] == alone.generate("b " * 100, SamplingParams.greedy(max_tokens=50))[0].outputs[0].text
