@@ -195,4 +195,4 @@ def test_float16_kv_takes_the_python_attention(monkeypatch: pytest.MonkeyPatch) 
     got, _ = _run(model, True, torch.float16)
     assert calls == []
     for a, b in zip(got, eager, strict=True):  # the chains' float16 products round apart from eager's
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        torch.testing.assert_close(a, b, rtol=0, atol=2.5e-4)  # two float16 steps at 0.2

@@ -70,7 +70,7 @@ def test_not_a_gguf_input_is_a_model_format_error(tmp_path: Path, capsys: pytest
     junk.write_bytes(b"GGUF" + b"\xff" * 64)
     assert main(["quantize", str(junk), str(tmp_path / "q.gguf"), "--type", "q8_0"]) == 1
     last = capsys.readouterr().err.splitlines()[-1]
-    assert last.startswith(f"rsmem: error: {junk}: unreadable GGUF file")
+    assert last.startswith(f"rsmem: error: {junk}: corrupt GGUF file: the file's header")
 
 
 @pytest.mark.parametrize("outtype", ["q4_k_m", "q5_0"])

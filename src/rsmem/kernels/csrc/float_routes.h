@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 
 #include "blocks.h"
@@ -149,14 +150,19 @@ void matmul_registers(const float* x, const uint8_t* w, float* y, int64_t M, int
 template <class T>
 void matmul_tiles(const at::Tensor& x, const uint8_t* w, at::Tensor& y, int64_t N, int64_t K) {
   const int64_t nb = K / T::BS, ldw = nb * T::TS;
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows, M = x.size(0);
+  float* out = y.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     at::Tensor buf = at::empty({kTileRows, K}, x.options());
     float* b = buf.data_ptr<float>();
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
       for (int64_t r = 0; r < rows; ++r) dequant_row<T>(w + (n0 + r) * ldw, nb, b + r * K);
-      y.narrow(1, n0, rows).copy_(at::mm(x, buf.narrow(0, 0, rows).t()));
+      // rows written through the pointer: at::parallel_for's threads do not inherit InferenceMode, and
+      // an in-place op there on `y` (an inference tensor under Context.decode) would be refused
+      const at::Tensor part = at::mm(x, buf.narrow(0, 0, rows).t()).contiguous();
+      const float* src = part.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * N + n0, src + m * rows, rows * sizeof(float));
     }
   });
 }
