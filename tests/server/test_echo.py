@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+
 from conftest import MODEL
 
 PROMPT = "ROMEO:"

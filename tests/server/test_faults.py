@@ -20,8 +20,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import MODEL, LiveServer, model_path, start_server
 
+from conftest import MODEL, LiveServer, model_path, start_server
 from rsmem.batch.batch import UBatch
 from rsmem.engine import LLM, load_text_model
 from rsmem.models.faulty import FaultyModel

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+
 from conftest import MODEL, LiveServer, start_server
 
 schemathesis = pytest.importorskip("schemathesis")

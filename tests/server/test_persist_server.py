@@ -11,8 +11,8 @@ import logging
 
 import httpx
 import pytest
-from conftest import LiveServer, start_server
 
+from conftest import LiveServer, start_server
 from rsmem.cli.serve import register
 from rsmem.errors import RsmemError
 from rsmem.memory import checkpoint_file as cf

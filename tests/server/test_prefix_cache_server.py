@@ -4,6 +4,7 @@ it shares with the previous turn come from checkpoints, whatever slot it lands i
 from __future__ import annotations
 
 import httpx
+
 from conftest import LiveServer, start_server
 
 SYSTEM = "You are a player in a company of actors, and you speak in verse. " * 6

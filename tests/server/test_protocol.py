@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+
 from conftest import MODEL, LiveServer, model_path, start_server
 
 PROMPT = "To be, or not to be"

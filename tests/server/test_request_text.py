@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import MODEL, model_path
 
+from conftest import MODEL, model_path
 from rsmem.engine import LLM, SamplingParams
 from rsmem.errors import InvalidRequestError
 

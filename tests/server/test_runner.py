@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+
 from conftest import MODEL, LiveServer, start_server
 
 

@@ -8,6 +8,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from conftest import MODEL, LiveServer, start_server
 
 PROMPT = "To be, or not to be"

@@ -7,6 +7,7 @@ import struct
 
 import httpx
 import pytest
+
 from conftest import MODEL, LiveServer
 
 
