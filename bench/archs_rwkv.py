@@ -74,7 +74,7 @@ def make_build(version: int) -> Callable[[Path], Path]:
             from rwkv_reference import random_rwkv6, random_rwkv7
         finally:
             sys.path.remove(str(ROOT / "tests" / "rwkv"))
-        from rsmem.loaders.rwkv_convert import convert_blink_to_gguf
+        from rsmem.loaders.rwkv.convert import convert_blink_to_gguf
 
         make = random_rwkv7 if version == 7 else random_rwkv6
         pth = folder / "model.pth"

@@ -1,7 +1,8 @@
 """Prefill with checkpoints every 64 tokens: chunks cut at each checkpoint, against one chunk with the
 states captured inside it (``Context.decode(batch, capture=...)``), against no checkpoints at all.
 
-130M-class random Mamba and Mamba-2 (``rsmem.models.random_init``), f32, one sequence, a 512-token prompt,
+130M-class random Mamba and Mamba-2 (``rsmem.models.mamba.random_init``), f32, one sequence, a 512-token
+prompt,
 checkpoints (exact codec) after tokens 64, 128, ..., 512:
 
 - ``none``: one decode of the prompt, no checkpoint;
@@ -50,7 +51,7 @@ import torch
 import rsmem
 from rsmem import Batch, Context
 from rsmem.memory import checkpoint
-from rsmem.models.random_init import mamba2_130m, mamba_130m
+from rsmem.models.mamba.random_init import mamba2_130m, mamba_130m
 
 MODES = ("none", "cut", "captured")
 

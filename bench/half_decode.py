@@ -29,8 +29,8 @@ import torch
 
 from rsmem.engine import default_model_path
 from rsmem.kernels.formats import HALF_TYPES
-from rsmem.loaders.checkpoint import build_model
 from rsmem.loaders.gguf import read_gguf
+from rsmem.loaders.registry import build_model
 from rsmem.models.ops.quantized import QuantMatrix
 
 ROWS = ("decode1", "decode3", "decode8", "prefill22", "prefill512")

@@ -35,7 +35,7 @@ POLICIES = {"omp": -1, "sleep": 0, "spin50": 50, "spin200": 200, "spin1000": 100
 def load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     if args.gguf:
         return rsmem.load_model(args.gguf)
-    from rsmem.models import random_init
+    from rsmem.models.mamba import random_init
 
     model = getattr(random_init, args.model)()
     model.set_compile(True)
@@ -44,7 +44,7 @@ def load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="mamba2_130m", help="a rsmem.models.random_init builder")
+    ap.add_argument("--model", default="mamba2_130m", help="a rsmem.models.mamba.random_init builder")
     ap.add_argument("--gguf", type=Path, default=None, help="a GGUF file instead of --model")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8, help="decode steps a measurement")

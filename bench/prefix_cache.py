@@ -40,7 +40,7 @@ import uvicorn
 
 from rsmem.engine import LLM, SamplingParams, default_model_path
 from rsmem.models import Mamba2Config
-from rsmem.models.random_init import random_mamba2
+from rsmem.models.mamba.random_init import random_mamba2
 from rsmem.server import ServeOptions, build_app
 
 SENTENCE = "Now is the winter of our discontent made glorious summer by this sun of York. "

@@ -30,7 +30,7 @@ from rsmem.engine import LLM, Engine, IncrementalDetokenizer, Sampler, SamplingP
 from rsmem.engine import engine as engine_module
 from rsmem.engine.checkpoints import CheckpointCache
 from rsmem.memory import checkpoint
-from rsmem.models.base import MambaFamilyModel
+from rsmem.models.mamba.base import MambaFamilyModel
 from rsmem.server.chat import ChatTemplate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -32,7 +32,7 @@ if which == "default":
     from rsmem.engine import default_model_path
     model = rsmem.load_model(default_model_path(), compile=compile_)
 else:
-    from rsmem.models import random_init
+    from rsmem.models.mamba import random_init
     model = getattr(random_init, which)()
     model.set_compile(compile_)
 prompt = torch.randint(0, model.n_vocab, (512,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -120,7 +120,7 @@ def busy_neighbour() -> subprocess.Popen[bytes]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="default", help="default, or a rsmem.models.random_init builder")
+    ap.add_argument("--model", default="default", help="default, or a rsmem.models.mamba.random_init builder")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rows", nargs="+", default=["chunk8", "prefill512", "decode1", "decode8"])

@@ -9,7 +9,7 @@ it the whole model step reaches (matmul FLOPs of the step / step time / ceiling)
     python bench/throughput.py --arch both --llama-python /path/to/venv/bin/python
 
 rsmem's decode steps run through ``torch.compile`` as they do by default for models of this size
-(``rsmem.models.compiled``; compiled during the untimed first decode step of each kind); ``--compile 0``
+(``rsmem.models.step.compiled``; compiled during the untimed first decode step of each kind); ``--compile 0``
 benchmarks the eager path instead. The machine's memory bandwidth drifts (2x within a minute was seen), so
 each row is measured ``--rounds`` times with rsmem and llama.cpp back to back (llama.cpp in a worker process
 that keeps its model loaded): the tables give medians, and rsmem/llama.cpp is the median of the per-round

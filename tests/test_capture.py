@@ -22,13 +22,13 @@ from rsmem import Batch, Context
 from rsmem.memory import checkpoint
 from rsmem.memory.capture import accepts_capture
 from rsmem.memory.checkpoint import Checkpoint
-from rsmem.models import DecayedSumModel, Mamba2Config, Mamba2Model, MambaConfig, compiled
+from rsmem.models import DecayedSumModel, Mamba2Config, Mamba2Model, MambaConfig
 from rsmem.models.faulty import FaultyModel, InjectedFault
-from rsmem.models.ops import fused
+from rsmem.models.mamba.random_init import random_mamba, random_mamba2
 from rsmem.models.ops.conv import conv_windows_at, conv_windows_at_ref
 from rsmem.models.ops.selective_scan import selective_scan_, selective_scan_at_, selective_states_at_ref
 from rsmem.models.ops.ssd import ssd_chunked_, ssd_chunked_at_, ssd_states_at_ref
-from rsmem.models.random_init import random_mamba, random_mamba2
+from rsmem.models.step import compiled, fused
 
 N_VOCAB = 64
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "llamacpp"

@@ -10,7 +10,7 @@ from memory_helpers import snapshot
 from rsmem import Batch, Context
 from rsmem.memory import checkpoint
 from rsmem.models import DecayedSumModel, Mamba2Config, MambaConfig
-from rsmem.models.random_init import random_mamba, random_mamba2
+from rsmem.models.mamba.random_init import random_mamba, random_mamba2
 
 N_VOCAB = 64
 

@@ -104,8 +104,8 @@ def test_mamba_holds_its_tied_head_and_matrices_on_one_mapping(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from rsmem import Batch, Context
-    from rsmem.models.mamba import MambaConfig
-    from rsmem.models.random_init import random_mamba
+    from rsmem.models.mamba.mamba1 import MambaConfig
+    from rsmem.models.mamba.random_init import random_mamba
 
     config = MambaConfig(d_model=256, n_layer=2, n_vocab=16400, d_state=8, dt_rank=16)  # 16.8 MB embedding
     model = random_mamba(config, seed=1)

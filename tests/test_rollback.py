@@ -18,11 +18,11 @@ from rsmem.batch.allocator import BatchAllocator
 from rsmem.errors import StateFormatError
 from rsmem.memory.rollback import MIN_SPACING, RollbackHistory
 from rsmem.models import DecayedSumModel
-from rsmem.models import compiled as compiled_mod
 from rsmem.models.faulty import FaultyModel, InjectedFault
-from rsmem.models.mamba import MambaConfig
-from rsmem.models.mamba2 import Mamba2Config
-from rsmem.models.random_init import random_mamba, random_mamba2
+from rsmem.models.mamba.mamba1 import MambaConfig
+from rsmem.models.mamba.mamba2 import Mamba2Config
+from rsmem.models.mamba.random_init import random_mamba, random_mamba2
+from rsmem.models.step import compiled as compiled_mod
 
 K = 6
 VOCAB = 64

@@ -256,8 +256,8 @@ def test_prompt_threads_leave_the_count_alone(busy_neighbour: pytest.MonkeyPatch
 
 def test_a_prompt_runs_on_twice_the_cores_beside_a_busy_process(busy_neighbour: pytest.MonkeyPatch) -> None:
     from rsmem import Batch, Context
-    from rsmem.models.mamba import MambaConfig
-    from rsmem.models.random_init import random_mamba
+    from rsmem.models.mamba.mamba1 import MambaConfig
+    from rsmem.models.mamba.random_init import random_mamba
 
     model = random_mamba(MambaConfig(d_model=32, n_layer=2, n_vocab=64, d_state=8, dt_rank=4), seed=2)
     seen: list[int] = []

@@ -5,7 +5,7 @@ so a process or a test may change it between uses.
 variable                  default  effect
 ========================= ======== ==================================================================
 ``RSMEM_COMPILE``         auto     compiled decode steps: ``auto``, ``1`` or ``0`` (a model's own
-                                   ``compile=`` setting wins; see ``rsmem.models.compiled``)
+                                   ``compile=`` setting wins; see ``rsmem.models.step.compiled``)
 ``RSMEM_ONEDNN``          1        ``0``: no oneDNN-packed copies of the matrices (saves their memory)
 ``RSMEM_HUGEPAGES``       1        ``0``: weights and states not placed on transparent huge pages
 ``CXX``                            the C++ compiler inductor uses, tried before g++, c++, clang++
@@ -21,7 +21,7 @@ variable                  default  effect
                                    ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or ``GLIBC_TUNABLES``
                                    is set
 ``RSMEM_NATIVE_STEP``     1        ``0``: Mamba-2's one-sequence decode through its compiled step instead
-                                   of the C++ step (``rsmem.models.ops.native_step``)
+                                   of the C++ step (``rsmem.models.step.native``)
 ``RSMEM_KERNELS_DIR``              where the C++ kernels are built and cached (default
                                    ``$XDG_CACHE_HOME/rsmem/kernels``, else ``~/.cache/rsmem/kernels``)
 ========================= ======== ==================================================================

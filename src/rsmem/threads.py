@@ -225,7 +225,7 @@ def prompt_threads(tokens_per_seq: int) -> Iterator[None]:
 def unraised_threads() -> Iterator[None]:
     """Inside :func:`prompt_threads`' raise, torch's thread count back at the count before it while the
     block runs (elsewhere nothing changes). For compiled functions
-    (:class:`rsmem.models.compiled.CompiledStep`): inductor writes the thread count into its kernels and
+    (:class:`rsmem.models.step.compiled.CompiledStep`): inductor writes the thread count into its kernels and
     dynamo guards every compilation on it, so a compiled prefill block (Mamba's scan, RWKV's chunk solves)
     called at a raised count compiled again each time a busy neighbour came or went, up to the recompile
     limit, and then ran eagerly."""

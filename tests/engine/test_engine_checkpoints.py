@@ -8,7 +8,7 @@ import pytest
 from rsmem import Context
 from rsmem.engine import Engine, SamplingParams
 from rsmem.models import DecayedSumModel, Mamba2Config
-from rsmem.models.random_init import random_mamba2
+from rsmem.models.mamba.random_init import random_mamba2
 
 N_VOCAB = 64
 GREEDY = SamplingParams.greedy(max_tokens=6)
@@ -96,7 +96,7 @@ def test_boundaries_and_intervals_are_checkpointed():
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_checkpoints_inside_a_prefill_are_captured_without_cutting_its_chunks(arch):
     from rsmem.models import MambaConfig
-    from rsmem.models.random_init import random_mamba
+    from rsmem.models.mamba.random_init import random_mamba
 
     if arch == "mamba":
         model = random_mamba(MambaConfig(d_model=32, n_layer=2, n_vocab=N_VOCAB, d_state=8), seed=5)

@@ -9,7 +9,7 @@ from rsmem import Context
 from rsmem.engine import Engine, SamplingParams
 from rsmem.engine.pool import SequencePool
 from rsmem.models import Mamba2Config, MambaConfig
-from rsmem.models.random_init import random_mamba, random_mamba2
+from rsmem.models.mamba.random_init import random_mamba, random_mamba2
 
 N_VOCAB = 64
 GREEDY = SamplingParams.greedy(max_tokens=6)

@@ -13,7 +13,7 @@ from rsmem.engine import Engine, SamplingParams
 from rsmem.engine.admission import MIN_SHARED, common_prefix, wait_bound
 from rsmem.models import Mamba2Config
 from rsmem.models.faulty import FaultyModel
-from rsmem.models.random_init import random_mamba2
+from rsmem.models.mamba.random_init import random_mamba2
 
 N_VOCAB = 64
 GREEDY = SamplingParams.greedy(max_tokens=6)

@@ -16,7 +16,7 @@ from rsmem.engine.cache_dir import WRITER
 from rsmem.engine.kept import companion_path
 from rsmem.memory import checkpoint_file as cf
 from rsmem.models import DecayedSumModel, Mamba2Config
-from rsmem.models.random_init import random_mamba2
+from rsmem.models.mamba.random_init import random_mamba2
 
 N_VOCAB = 64
 GREEDY = SamplingParams.greedy(max_tokens=6)

@@ -156,7 +156,7 @@ def test_the_fingerprint_samples_large_embeddings_and_tells_models_apart():
 
 def test_the_fingerprint_sees_a_change_in_one_layer_matrix():
     from rsmem.models import Mamba2Config
-    from rsmem.models.random_init import random_mamba2
+    from rsmem.models.mamba.random_init import random_mamba2
 
     cfg = Mamba2Config(d_model=32, n_layer=2, n_vocab=64, d_state=8, n_head=4, n_group=2, chunk_size=4)
     model = random_mamba2(cfg, seed=3)

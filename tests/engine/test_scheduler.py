@@ -11,7 +11,7 @@ from rsmem.engine import Engine, SamplingParams
 from rsmem.engine.request import Completion, Phase, Request
 from rsmem.engine.scheduler import StepCost, plan_step, step_caps
 from rsmem.models import Mamba2Config
-from rsmem.models.random_init import random_mamba2
+from rsmem.models.mamba.random_init import random_mamba2
 
 
 def request(rid: str, n_prompt: int, *, done: int = 0, phase: Phase = Phase.PREFILL) -> Request:

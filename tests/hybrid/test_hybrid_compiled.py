@@ -1,6 +1,6 @@
-"""The hybrids' compiled decode steps (models/ops/hybrid_fused.py through models/compiled.py) give the
+"""The hybrids' compiled decode steps (models/step/hybrid_fused.py through models/step/compiled.py) give the
 eager path's logits and states: one sequence and several (a compiled chain per stretch between attention
-layers, attention's KV part eager: models/hybrid_decode.py; several sequences' chains with the packed
+layers, attention's KV part eager: models/hybrid/chains.py; several sequences' chains with the packed
 products and a dynamic batch), after a prompt, with a fork, with and without output rows. The C++ step
 that takes their place where it runs is tests/hybrid/test_hybrid_native.py's."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import rsmem
-from rsmem.models import compiled
-from rsmem.models.compiled import CompiledStep
+from rsmem.models.step import compiled
+from rsmem.models.step.compiled import CompiledStep
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
 needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")

@@ -12,7 +12,7 @@ import torch
 
 import rsmem
 from rsmem import Batch, Context
-from rsmem.loaders import read_checkpoint
+from rsmem.loaders import read_tensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,8 +98,8 @@ def test_four_sequences_and_a_fork(pair, unified: bool) -> None:
 
 @pytest.mark.parametrize("arch", ["lfm2", "nemotron_h"])
 def test_hf_folder_gives_llamacpps_tensors(arch: str) -> None:
-    hf = read_checkpoint(FIXTURE_ROOT / arch / "hf")
-    gguf = read_checkpoint(
+    hf = read_tensors(FIXTURE_ROOT / arch / "hf")
+    gguf = read_tensors(
         Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / arch / "model-f32.gguf"
     )
     assert set(hf.tensors) == set(gguf.tensors)

@@ -1,4 +1,4 @@
-"""The hybrids' C++ decode step (kernels/csrc/hybrid_step.cpp through models/hybrid_native.py) gives the
+"""The hybrids' C++ decode step (kernels/csrc/hybrid_step.cpp through models/hybrid/native.py) gives the
 eager path's logits, states and keys and values: one sequence and several, after prompts of different
 lengths, with a fork (cells shared between sequences), per-sequence and unified KV streams, with and without
 output rows; its first call's check catches an op that differs; a bad operand is an error before anything
@@ -14,7 +14,8 @@ import torch
 
 import rsmem
 from rsmem.kernels.build import native_ops
-from rsmem.models import compiled, hybrid_native
+from rsmem.models.hybrid import native as hybrid_native
+from rsmem.models.step import compiled
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
 needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="the kernels need a C++ compiler")

@@ -1,6 +1,6 @@
 """Several sequences' products of the hybrids through the C++ few-row kernel
-(:func:`rsmem.models.hybrid_layers.many_operand`, :func:`~rsmem.models.hybrid_layers.many_head`, the
-``*_many`` blocks of models/ops/hybrid_fused.py): the kernel's operand when the kernels are loaded, oneDNN's
+(:func:`rsmem.models.hybrid.layers.many_operand`, :func:`~rsmem.models.hybrid.layers.many_head`, the
+``*_many`` blocks of models/step/hybrid_fused.py): the kernel's operand when the kernels are loaded, oneDNN's
 packed twin when not, ``[out, in]`` rows without a twin; the same products either way."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import rsmem
-from rsmem.models.hybrid_layers import many_head, many_operand
-from rsmem.models.ops import small_rows
-from rsmem.models.ops.fused import Packed, mamba2_layer_many_
-from rsmem.models.ops.packed import HeldMatrices
-from rsmem.models.ops.small_rows import SmallRows
+from rsmem.models.hybrid.layers import many_head, many_operand
+from rsmem.models.step import small_rows
+from rsmem.models.step.fused import Packed, mamba2_layer_many_
+from rsmem.models.step.packed import HeldMatrices
+from rsmem.models.step.small_rows import SmallRows
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
 needs_kernels = pytest.mark.skipif(

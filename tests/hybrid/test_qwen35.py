@@ -21,13 +21,13 @@ import rsmem
 from rsmem import Batch, Context
 from rsmem.engine import Engine, SamplingParams
 from rsmem.errors import StateFormatError
-from rsmem.loaders import read_checkpoint
-from rsmem.loaders.hybrid import build_hybrid
-from rsmem.loaders.qwen35 import qwen35_config_from_gguf
+from rsmem.loaders import read_tensors
+from rsmem.loaders.hybrid.build import build_hybrid
+from rsmem.loaders.hybrid.qwen35 import qwen35_config_from_gguf
 from rsmem.memory import checkpoint, hybrid_state
 from rsmem.memory.hybrid import HybridMemory
+from rsmem.models.hybrid.qwen35 import Qwen35Model
 from rsmem.models.ops.delta_net import delta_rule_chunked, delta_rule_ref, l2_norm, unit_lower_inverse
-from rsmem.models.qwen35 import Qwen35Model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "qwen35"
 FX = json.loads((FIXTURES / "fixture.json").read_text())
@@ -354,7 +354,7 @@ def test_gguf_metadata_with_mtp_layers_and_without_layer_flags() -> None:
 def test_a_tied_head_shares_the_embedding() -> None:
     """Without output.weight the head is the embedding: one held copy (Qwen3.5's small models tie them),
     the same logits as a file with the embedding written twice."""
-    ckpt = read_checkpoint(FIXTURES / "model-f32.gguf")
+    ckpt = read_tensors(FIXTURES / "model-f32.gguf")
     ckpt.tensors["output.weight"] = ckpt.tensors["token_embd.weight"].clone()
     untied = build_hybrid(ckpt)
     del ckpt.tensors["output.weight"]

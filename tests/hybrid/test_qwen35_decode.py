@@ -1,4 +1,5 @@
-"""Qwen3.5's decode chains (models/qwen35_decode.py) give the eager path's logits and states: one sequence
+"""Qwen3.5's decode chains (models/hybrid/qwen35_decode.py) give the eager path's logits and states: one
+sequence
 and several (a chain per stretch between attention layers, attention's KV part eager; several sequences'
 chains with the packed products and a dynamic batch), after a prompt, with a fork, with and without output
 rows; the chains' functions run eagerly as well as compiled; the one-token delta rule that reads the old
@@ -13,10 +14,10 @@ import pytest
 import torch
 
 import rsmem
-from rsmem.models import compiled
+from rsmem.models.hybrid.qwen35 import Qwen35Model
+from rsmem.models.hybrid.qwen35_decode import QwenChains, delta_step_
 from rsmem.models.ops.delta_net import delta_rule_step, l2_norm
-from rsmem.models.qwen35 import Qwen35Model
-from rsmem.models.qwen35_decode import QwenChains, delta_step_
+from rsmem.models.step import compiled
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "qwen35" / "model-f32.gguf"
 needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")

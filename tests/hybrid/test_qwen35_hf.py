@@ -15,7 +15,7 @@ import torch
 
 import rsmem
 from rsmem import Batch, Context
-from rsmem.loaders import read_checkpoint
+from rsmem.loaders import read_tensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,8 +112,8 @@ def test_four_sequences_and_a_fork(pair, unified: bool) -> None:
 
 
 def test_hf_folder_gives_llamacpps_tensors() -> None:
-    hf = read_checkpoint(FIXTURE / "hf")
-    gguf = read_checkpoint(FIXTURE / "model-f32.gguf")
+    hf = read_tensors(FIXTURE / "hf")
+    gguf = read_tensors(FIXTURE / "model-f32.gguf")
     assert set(hf.tensors) == set(gguf.tensors)
     for name, t in gguf.tensors.items():
         assert torch.equal(hf.tensors[name].reshape(t.shape), t), name
@@ -137,7 +137,7 @@ def test_a_conditional_generation_folder_loads_its_language_model(tmp_path: Path
     (tmp_path / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((FIXTURE / "hf" / name).read_bytes())
-    got, want = read_checkpoint(tmp_path), read_checkpoint(FIXTURE / "hf")
+    got, want = read_tensors(tmp_path), read_tensors(FIXTURE / "hf")
     assert got.config == want.config and set(got.tensors) == set(want.tensors)
     assert all(torch.equal(got.tensors[n], t) for n, t in want.tensors.items())
 

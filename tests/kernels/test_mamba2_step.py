@@ -1,4 +1,4 @@
-"""Mamba-2's one-token decode step in C++ (kernels/csrc/mamba2_step.cpp, models/ops/native_step.py): the
+"""Mamba-2's one-token decode step in C++ (kernels/csrc/mamba2_step.cpp, models/step/native.py): the
 mixer op against its twin (ops.fused.mamba2_mixer_step_), the whole step against the compiled step's
 function run eagerly (token_step of mamba2_layer_one_) and against the model's layer-by-layer forward, for
 float32 and quantized matrices; bad operands rejected before any state is written; the first call's check
@@ -15,10 +15,10 @@ from step_helpers import assert_decode_matches_forward, assert_matches_twin, dec
 
 import rsmem
 from rsmem.engine import default_model_path
-from rsmem.models.mamba2 import Mamba2Config
-from rsmem.models.ops.fused import mamba2_mixer_step_
-from rsmem.models.ops.native_step import PACKED_FROM_ROWS
-from rsmem.models.random_init import random_mamba2
+from rsmem.models.mamba.mamba2 import Mamba2Config
+from rsmem.models.mamba.random_init import random_mamba2
+from rsmem.models.step.fused import mamba2_mixer_step_
+from rsmem.models.step.native import PACKED_FROM_ROWS
 
 QUANT = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "quant"
 

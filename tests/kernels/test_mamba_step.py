@@ -1,4 +1,4 @@
-"""Mamba's one-token decode step in C++ (kernels/csrc/mamba_step.cpp through models/ops/native_step.py),
+"""Mamba's one-token decode step in C++ (kernels/csrc/mamba_step.cpp through models/step/native.py),
 for one and several sequences: the model's decode against its layer-by-layer forward (float32), the op
 against the compiled step's function run eagerly on llama.cpp's quantized files, and bad operands rejected
 before any state is written."""
@@ -18,9 +18,9 @@ from step_helpers import (
 )
 
 import rsmem
-from rsmem.models.mamba import MambaConfig
-from rsmem.models.ops.native_step import PACKED_FROM_ROWS
-from rsmem.models.random_init import random_mamba
+from rsmem.models.mamba.mamba1 import MambaConfig
+from rsmem.models.mamba.random_init import random_mamba
+from rsmem.models.step.native import PACKED_FROM_ROWS
 
 QUANT = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "quant"
 
@@ -49,7 +49,7 @@ def test_quantized_step_matches_its_twin(ops, qtype: str, rows: int) -> None:
 
 def test_more_sequences_than_the_step_takes_go_the_other_way(ops, monkeypatch: pytest.MonkeyPatch) -> None:
     """Beyond MAX_ROWS sequences the op is not called; the decode matches the forward."""
-    from rsmem.models.ops import native_step
+    from rsmem.models.step import native as native_step
 
     model = _model()
     model.set_compile(False)
@@ -105,8 +105,8 @@ def test_portable_and_avx2_builds_match(ops, arch: str, march: str) -> None:
     """The steps built without AVX-512 (AVX2, and the scalar loops) against this machine's build."""
     from kernel_variants import ops_for_march
 
-    from rsmem.models.mamba2 import Mamba2Config
-    from rsmem.models.random_init import random_mamba2
+    from rsmem.models.mamba.mamba2 import Mamba2Config
+    from rsmem.models.mamba.random_init import random_mamba2
 
     if arch == "mamba":
         model = _model()

@@ -1,5 +1,5 @@
 """The few-row float32 product in C++ (``csrc/rows_f32.cpp``: ``rsmem_native.rows_f32`` and ``rows_linear``)
-against its twin ``x @ w.t()`` (:func:`rsmem.models.ops.small_rows.rows_ref`): every row count of a register
+against its twin ``x @ w.t()`` (:func:`rsmem.models.step.small_rows.rows_ref`): every row count of a register
 group and past it, tails along both dimensions, chunked long rows, strided operands, the AVX2 and portable
 builds; ``rows_linear``'s route by row count; a compiled function calling it with a dynamic batch; the
 fallback to oneDNN's packed twin when the kernels are not built."""
@@ -12,10 +12,10 @@ from kernel_variants import ops_for_march
 
 from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
-from rsmem.models.compiled import has_cxx_compiler
-from rsmem.models.ops import small_rows
-from rsmem.models.ops.fused import Packed, matmul_rows
-from rsmem.models.ops.small_rows import SmallRows, rows_f32, rows_operand, rows_ref
+from rsmem.models.step import small_rows
+from rsmem.models.step.compiled import has_cxx_compiler
+from rsmem.models.step.fused import Packed, matmul_rows
+from rsmem.models.step.small_rows import SmallRows, rows_f32, rows_operand, rows_ref
 
 
 def native():

@@ -22,7 +22,7 @@ import pytest
 import torch  # noqa: F401  (imported before rsmem: see the note below)
 
 from rsmem.errors import ModelFormatError
-from rsmem.loaders import build_model, load_tokenizer, read_checkpoint
+from rsmem.loaders import build_model, load_tokenizer, read_tensors
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
 MAMBA = FIXTURES / "mamba" / "model-bf16.gguf"
@@ -84,16 +84,16 @@ def test_a_value_out_of_its_range_names_its_key(
     index = 1 if key == "lfm2.attention.head_count_kv" else 0  # LFM2's layer 1 has attention
     path = patched(tmp_path, fixture, key, value, index)
     if message is None:
-        read_checkpoint(path)
+        read_tensors(path)
         return
     with pytest.raises(ModelFormatError, match=re.escape(f"{path}: metadata key {message}")):
-        read_checkpoint(path)
+        read_tensors(path)
 
 
 def test_the_unmodified_fixtures_load() -> None:
     for fixture in ("mamba/model-bf16.gguf", "mamba2/model-q8_0.gguf", "lfm2/model-f32.gguf",
                     "nemotron_h/model-f32.gguf", "qwen35/model-f32.gguf"):  # fmt: skip
-        read_checkpoint(FIXTURES / fixture)
+        read_tensors(FIXTURES / fixture)
 
 
 # ------------------------------------------------------------------ RWKV (no fixture files)
@@ -155,12 +155,12 @@ def test_rwkv_values_out_of_range_name_their_key(
     tmp_path: Path, arch: str, changes: dict[str, int], message: str
 ) -> None:
     with pytest.raises(ModelFormatError, match=re.escape(f"metadata key {message}")):
-        read_checkpoint(rwkv_file(tmp_path / "m.gguf", arch, **changes))
+        read_tensors(rwkv_file(tmp_path / "m.gguf", arch, **changes))
 
 
 @pytest.mark.parametrize("arch", sorted(RWKV_KEYS))
 def test_rwkv_keys_in_range_pass_to_the_tensors(tmp_path: Path, arch: str) -> None:
-    ckpt = read_checkpoint(rwkv_file(tmp_path / "m.gguf", arch))
+    ckpt = read_tensors(rwkv_file(tmp_path / "m.gguf", arch))
     with pytest.raises(ModelFormatError, match=r"blk\.0\.|layer 0"):  # its first layer's tensors
         build_model(ckpt)
 
@@ -186,7 +186,7 @@ def test_a_special_token_outside_the_vocabulary_names_its_key(tmp_path: Path) ->
     with pytest.raises(
         ModelFormatError, match=r"'tokenizer\.ggml\.eos_token_id' is 60000, outside the vocabulary"
     ):
-        read_checkpoint(path)
+        read_tensors(path)
 
 
 def _cut(tmp_path: Path, n: int) -> Path:
@@ -203,7 +203,7 @@ def test_a_file_cut_in_its_metadata_says_where(tmp_path: Path) -> None:
         rf"\d+ to \d+, past the end of the file \({field.offset + 100} bytes\)"
     )
     with pytest.raises(ModelFormatError, match=pattern) as caught:
-        read_checkpoint(path)
+        read_tensors(path)
     assert "dtype" not in str(caught.value)  # none of numpy's words
 
 
@@ -212,7 +212,7 @@ def test_a_file_cut_in_a_tensor_names_it(tmp_path: Path) -> None:
     path = _cut(tmp_path, tensor.data_offset + 6)  # 6 bytes into float32 values: not whole values
     pattern = r"tensor 'blk\.0\.ssm_a' is truncated or corrupt: its data needs bytes \d+ to \d+, past the end"
     with pytest.raises(ModelFormatError, match=pattern) as caught:
-        read_checkpoint(path)
+        read_tensors(path)
     assert "dtype" not in str(caught.value)
 
 
@@ -237,4 +237,4 @@ def test_an_hf_group_count_of_zero_names_it(tmp_path: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"n_groups": 0}))
     with pytest.raises(ModelFormatError, match=r"hf/config\.json: n_groups 0 does not split"):
-        read_checkpoint(folder)
+        read_tensors(folder)

@@ -18,8 +18,8 @@ from rsmem.engine import default_model_path
 from rsmem.kernels import build
 from rsmem.loaders import convert_hf_to_gguf
 from rsmem.loaders.tensor_types import Holding, file_summary, open_reader
-from rsmem.models import compiled
 from rsmem.models.ops.quantized import QuantMatrix
+from rsmem.models.step import compiled
 
 Q = gguf.GGMLQuantizationType
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"

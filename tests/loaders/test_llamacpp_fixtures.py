@@ -148,9 +148,9 @@ def test_converted_gguf_matches_llamacpp(tmp_path: Path, arch: str, kind: str) -
         assert _tensor_digest(out) == LLAMACPP_F32_TENSORS[arch]
         return
     # the tensors rsmem writes decode to the same values llama.cpp's converter wrote
-    from rsmem.loaders import read_checkpoint
+    from rsmem.loaders import read_tensors
 
-    ours, theirs = read_checkpoint(out), read_checkpoint(FIXTURES / arch / f"model-{kind}.gguf")
+    ours, theirs = read_tensors(out), read_tensors(FIXTURES / arch / f"model-{kind}.gguf")
     assert sorted(ours.tensors) == sorted(theirs.tensors)
     for name, t in theirs.tensors.items():
         assert ours.tensors[name].shape == t.shape, name

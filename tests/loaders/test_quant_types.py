@@ -136,7 +136,7 @@ def _rewrite(path: Path, blocks: Callable[[str, np.ndarray], tuple[np.ndarray, Q
     """BASE's model with each tensor replaced by ``blocks(name, f32 values)`` when that gives one
     (raw bytes and their type), else kept as f32; metadata copied, the tokenizer left out."""
     src = gguf.GGUFReader(BASE)
-    ckpt = rsmem.loaders.read_checkpoint(BASE)
+    ckpt = rsmem.loaders.read_tensors(BASE)
     w = gguf.GGUFWriter(path, "mamba2")
     for key, field in src.fields.items():
         if key.startswith(("GGUF.", "tokenizer.", "general.architecture")) or field.types[0] == (
@@ -218,7 +218,7 @@ def test_every_type_loads_as_gguf_dequantizes_it(
 
 
 def _base_matrices() -> dict[str, np.ndarray]:
-    ckpt = rsmem.loaders.read_checkpoint(BASE)
+    ckpt = rsmem.loaders.read_tensors(BASE)
     return {n: ckpt.get(n).numpy() for n in MATRICES}
 
 

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from rsmem.errors import ModelFormatError
-from rsmem.loaders.rwkv import config_from_gguf
-from rsmem.loaders.rwkv_keys import ArchKeys, consistent
+from rsmem.loaders.rwkv.build import config_from_gguf
+from rsmem.loaders.rwkv.keys import ArchKeys, consistent
 
 RWKV7 = {
     "embedding_length": 128,

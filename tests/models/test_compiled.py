@@ -14,21 +14,22 @@ import torch
 import rsmem
 from rsmem import context as context_module
 from rsmem import threads
-from rsmem.models import compiled
-from rsmem.models.compiled import (
+from rsmem.models.mamba.mamba1 import MambaConfig
+from rsmem.models.mamba.mamba2 import Mamba2Config
+from rsmem.models.mamba.random_init import random_mamba, random_mamba2
+from rsmem.models.ops import wkv, wkv6
+from rsmem.models.step import compiled, fused
+from rsmem.models.step import native as native_step
+from rsmem.models.step.compiled import (
     AUTO_MIN_WEIGHTS,
     GLUE_MIN_CHUNK,
     ONE_THREAD_GLUE,
     CompiledStep,
     resolve_compile,
 )
-from rsmem.models.mamba import MambaConfig
-from rsmem.models.mamba2 import Mamba2Config
-from rsmem.models.ops import fused, native_step, wkv, wkv6
-from rsmem.models.ops.fused import SmallRows
-from rsmem.models.ops.packed import packing_enabled
-from rsmem.models.ops.small_rows import kernel_ops
-from rsmem.models.random_init import random_mamba, random_mamba2
+from rsmem.models.step.fused import SmallRows
+from rsmem.models.step.packed import packing_enabled
+from rsmem.models.step.small_rows import kernel_ops
 
 CPU = torch.device("cpu")
 RWKV_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv"

@@ -18,8 +18,8 @@ from rsmem.models.ops import (
     ssd_chunked_,
     ssd_ref,
 )
-from rsmem.models.ops.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.ops.selective_scan import chunk_bounds
+from rsmem.models.step.packed import PackedMatrices, held_matrix, packing_enabled
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rsmem.models.ops.step_memo import StepMemo, same_objects
+from rsmem.models.step.memo import StepMemo, same_objects
 
 
 def test_same_objects_compares_identity_never_values() -> None:

@@ -10,13 +10,12 @@ import pytest
 import torch
 
 import rsmem
-from rsmem.models import compiled
-from rsmem.models.mamba import MambaConfig
-from rsmem.models.mamba2 import Mamba2Config
-from rsmem.models.ops import fused
-from rsmem.models.ops.packed import packing_enabled
-from rsmem.models.ops.small_rows import kernel_ops
-from rsmem.models.random_init import random_mamba, random_mamba2
+from rsmem.models.mamba.mamba1 import MambaConfig
+from rsmem.models.mamba.mamba2 import Mamba2Config
+from rsmem.models.mamba.random_init import random_mamba, random_mamba2
+from rsmem.models.step import compiled, fused
+from rsmem.models.step.packed import packing_enabled
+from rsmem.models.step.small_rows import kernel_ops
 
 needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
 QUANT = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "quant"

@@ -171,7 +171,7 @@ def write_rwkv_gguf(
     the ``rwkv`` tokenizer with escaped tokens, bos = eos = 0, pads up to the embedding's rows)."""
     import gguf
 
-    from rsmem.loaders.rwkv_tokenizer import escape_rwkv_token
+    from rsmem.loaders.rwkv.tokenizer import escape_rwkv_token
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(1048576)

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import torch
 
-from rsmem.loaders.rwkv_convert import world_vocabulary
+from rsmem.loaders.rwkv.vocab import world_vocabulary
 
 N_EMBD, N_LAYER, N_VOCAB, D_FF, HEAD_SIZE, LORA = 128, 2, 300, 256, 64, 32
 T = gguf.MODEL_TENSOR

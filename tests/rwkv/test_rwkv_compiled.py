@@ -13,7 +13,7 @@ import torch
 
 import rsmem
 from rsmem import Batch, Context
-from rsmem.models.compiled import has_cxx_compiler
+from rsmem.models.step.compiled import has_cxx_compiler
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv"
 PROMPT = list(range(1, 12))

@@ -10,8 +10,8 @@ from rwkv_reference import random_rwkv6, random_rwkv7, world_vocab, write_rwkv_g
 from rsmem import Context, SamplingParams
 from rsmem.engine import Engine, TextTokenizer
 from rsmem.engine.llm import load_text_model
-from rsmem.loaders.rwkv import rwkv7_from_blink
-from rsmem.loaders.rwkv6 import rwkv6_from_blink
+from rsmem.loaders.rwkv.build import rwkv7_from_blink
+from rsmem.loaders.rwkv.rwkv6 import rwkv6_from_blink
 
 PROMPTS = ["Hello there", "The cat sat on the mat and", "Ünïcödé ok", "x"]
 

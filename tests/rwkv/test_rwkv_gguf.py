@@ -16,9 +16,9 @@ from rwkv_reference import random_rwkv6, random_rwkv7, world_vocab, write_rwkv_g
 
 import rsmem
 from rsmem import Batch, Context
-from rsmem.loaders.checkpoint import Checkpoint
-from rsmem.loaders.rwkv import build_rwkv, rwkv7_from_blink
-from rsmem.loaders.rwkv6 import rwkv6_from_blink
+from rsmem.loaders.rwkv.build import build_rwkv, rwkv7_from_blink
+from rsmem.loaders.rwkv.rwkv6 import rwkv6_from_blink
+from rsmem.loaders.tensors import ModelTensors
 
 PROMPT = [72, 102, 109, 109, 112, 33, 120, 112, 115, 109, 101, 257, 258, 290]
 
@@ -36,7 +36,7 @@ def gguf_path(blink, tmp_path_factory):
 
 
 def test_gguf_loads_to_the_same_logits(blink, gguf_path) -> None:
-    direct = build_rwkv(Checkpoint(arch="rwkv7", config=blink[0], tensors=blink[1]))
+    direct = build_rwkv(ModelTensors(arch="rwkv7", config=blink[0], tensors=blink[1]))
     loaded = rsmem.load_model(gguf_path)
     assert loaded.arch == "rwkv7"
     assert loaded.config == dataclasses.replace(blink[0], eps=loaded.config.eps)  # eps is stored as f32

@@ -8,8 +8,8 @@ import torch
 from rwkv_reference import random_rwkv7
 
 from rsmem import Batch, Context, hugepages
-from rsmem.loaders.checkpoint import Checkpoint
-from rsmem.loaders.rwkv import build_rwkv, rwkv7_from_blink
+from rsmem.loaders.rwkv.build import build_rwkv, rwkv7_from_blink
+from rsmem.loaders.tensors import ModelTensors
 
 needs_mapping = pytest.mark.skipif(
     not hugepages._enabled() or hugepages._arena([((1,), torch.uint8)]) is None,
@@ -19,7 +19,7 @@ needs_mapping = pytest.mark.skipif(
 
 def _build(sd: dict[str, torch.Tensor]):
     config, tensors = rwkv7_from_blink(sd)
-    return build_rwkv(Checkpoint(arch="rwkv7", config=config, tensors=tensors))
+    return build_rwkv(ModelTensors(arch="rwkv7", config=config, tensors=tensors))
 
 
 def _plain(weight_t: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """RWKV-7's and RWKV-6's one-token decode steps in C++ (kernels/csrc/rwkv7_step.cpp, rwkv6_step.cpp through
-models/ops/native_step.py): the model's decode of one and several sequences through the op against the
+models/step/native.py): the model's decode of one and several sequences through the op against the
 eager model (logits and state rows), RWKV-6 with its residual halved every layer; the op against the
 compiled step's function row by row, the matrices as the few-row kernel's rows, oneDNN's packed twins or
 their row slices; bad operands rejected before any state is written; the first call's check and its
@@ -17,9 +17,9 @@ from test_rwkv_gguf import rwkv6_gguf
 import rsmem
 from rsmem import Batch, Context
 from rsmem.kernels.build import native_ops
-from rsmem.models.compiled import has_cxx_compiler
-from rsmem.models.ops import native_step
-from rsmem.models.ops.native_step import (
+from rsmem.models.step import native as native_step
+from rsmem.models.step.compiled import has_cxx_compiler
+from rsmem.models.step.native import (
     PACKED_FROM_ROWS,
     PACKED_HEAD_FROM_ROWS,
     SLICED_F32,

@@ -1,5 +1,5 @@
 """The one-sequence RWKV decode step's big products through the C++ few-row kernel
-(:func:`rsmem.models.ops.wkv_fused.one_row` with :meth:`~rsmem.models.rwkv_base.RwkvModelBase.one_operand`):
+(:func:`rsmem.models.step.wkv_fused.one_row` with :meth:`~rsmem.models.rwkv.base.RwkvModelBase.one_operand`):
 the kernel's operand when the kernels are loaded, inductor's fused reduction (``[out, in]`` rows) when not;
 the same products and the same compiled steps either way (against the eager models)."""
 
@@ -12,11 +12,11 @@ import torch
 
 import rsmem
 from rsmem import Batch, Context
-from rsmem.models.compiled import has_cxx_compiler
-from rsmem.models.ops import small_rows
-from rsmem.models.ops.small_rows import SmallRows
-from rsmem.models.ops.wkv_fused import one_row
-from rsmem.models.ops.wkv_many import MANY_OPTIONS
+from rsmem.models.step import small_rows
+from rsmem.models.step.compiled import has_cxx_compiler
+from rsmem.models.step.small_rows import SmallRows
+from rsmem.models.step.wkv_fused import one_row
+from rsmem.models.step.wkv_many import MANY_OPTIONS
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "rwkv"
 needs_kernels = pytest.mark.skipif(small_rows.kernel_ops() is None, reason="the C++ kernels are not built")

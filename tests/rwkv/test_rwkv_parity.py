@@ -12,11 +12,11 @@ import torch
 from rwkv_reference import clone_state, random_rwkv6, random_rwkv7, reference_model
 
 from rsmem import Batch, Context
-from rsmem.loaders.checkpoint import Checkpoint
-from rsmem.loaders.rwkv import build_rwkv, rwkv7_from_blink
-from rsmem.loaders.rwkv6 import rwkv6_from_blink
-from rsmem.models.rwkv6 import Rwkv6Model
-from rsmem.models.rwkv7 import Rwkv7Model
+from rsmem.loaders.rwkv.build import build_rwkv, rwkv7_from_blink
+from rsmem.loaders.rwkv.rwkv6 import rwkv6_from_blink
+from rsmem.loaders.tensors import ModelTensors
+from rsmem.models.rwkv.rwkv6 import Rwkv6Model
+from rsmem.models.rwkv.rwkv7 import Rwkv7Model
 
 N_EMBD, N_LAYER, N_VOCAB = 128, 3, 300
 PROMPT = torch.randint(0, N_VOCAB, (37,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -47,7 +47,7 @@ def build(sd: dict[str, torch.Tensor], **changes: int) -> Rwkv7Model | Rwkv6Mode
     v7 = "blocks.0.att.r_k" in sd
     config, tensors = (rwkv7_from_blink if v7 else rwkv6_from_blink)(sd)  # type: ignore[operator]
     arch = "rwkv7" if v7 else "rwkv6"
-    return build_rwkv(Checkpoint(arch=arch, config=dataclasses.replace(config, **changes), tensors=tensors))
+    return build_rwkv(ModelTensors(arch=arch, config=dataclasses.replace(config, **changes), tensors=tensors))
 
 
 @pytest.fixture(scope="module")

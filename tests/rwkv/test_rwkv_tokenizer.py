@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from rwkv_reference import world_vocab
 
 from rsmem.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
-from rsmem.loaders.rwkv_tokenizer import RwkvTokenizer, escape_rwkv_token, unescape_rwkv_token
+from rsmem.loaders.rwkv.tokenizer import RwkvTokenizer, escape_rwkv_token, unescape_rwkv_token
 
 CORPUS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

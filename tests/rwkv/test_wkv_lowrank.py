@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rsmem.models.compiled import has_cxx_compiler
 from rsmem.models.ops import wkv_lowrank
 from rsmem.models.ops.wkv_lowrank import lowrank, matmul_one_thread, unit_lower_inverse_one_thread
+from rsmem.models.step.compiled import has_cxx_compiler
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ import torch
 from test_wkv_ops import inputs
 
 from rsmem.kernels.build import native_ops
-from rsmem.models.compiled import has_cxx_compiler
 from rsmem.models.ops import wkv as wkv_mod
 from rsmem.models.ops import wkv6 as wkv6_mod
 from rsmem.models.ops.wkv import wkv7_prefill_, wkv7_ref_
 from rsmem.models.ops.wkv6 import wkv6_prefill_, wkv6_ref_
+from rsmem.models.step.compiled import has_cxx_compiler
 
 pytestmark = pytest.mark.skipif(not has_cxx_compiler(), reason="the kernels need a C++ compiler")
 

@@ -18,7 +18,7 @@ from rsmem.engine import Engine, SamplingParams
 from rsmem.engine import cache_dir as cache_dir_module
 from rsmem.engine.cache_dir import WRITER
 from rsmem.models import Mamba2Config
-from rsmem.models.random_init import random_mamba2
+from rsmem.models.mamba.random_init import random_mamba2
 
 N_VOCAB = 64
 PROMPT = [(1 + 7 * k) % N_VOCAB for k in range(44)]  # long enough for several checkpoints

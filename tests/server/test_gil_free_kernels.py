@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-from rsmem.models import compiled
-from rsmem.models.compiled import CompiledStep, has_cxx_compiler, release_gil_in_kernels
+from rsmem.models.step import compiled
+from rsmem.models.step.compiled import CompiledStep, has_cxx_compiler, release_gil_in_kernels
 
 pytestmark = pytest.mark.skipif(not has_cxx_compiler(), reason="no C++ compiler for inductor")
 

@@ -70,7 +70,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def cmd_info(args: argparse.Namespace) -> int:
     from rsmem import threads
     from rsmem.engine import load_text_model
-    from rsmem.models.base import MambaFamilyModel
+    from rsmem.models.mamba.base import MambaFamilyModel
 
     path = model_path(args.model)
     model, tokenizer = load_text_model(path)
@@ -223,7 +223,7 @@ def _products(in_blocks: bool) -> str:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from rsmem.loaders import convert_blink_to_gguf, convert_hf_to_gguf
-    from rsmem.loaders.rwkv_convert import is_blink_checkpoint
+    from rsmem.loaders.rwkv.convert import is_blink_checkpoint
 
     src = Path(args.hf_dir)
     vocab = getattr(args, "vocab", None)
@@ -260,7 +260,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from rsmem.benchmark import format_table, measure
     from rsmem.engine import load_text_model
-    from rsmem.models.random_init import mamba2_130m, mamba_130m
+    from rsmem.models.mamba.random_init import mamba2_130m, mamba_130m
     from rsmem.threads import use_threads, wait_policy
 
     progress = Progress(enabled=True)

@@ -18,8 +18,8 @@ from rsmem.engine.engine import Engine
 from rsmem.engine.request import RequestOutput
 from rsmem.engine.sampling import SamplingParams
 from rsmem.engine.tokenizer import TextTokenizer
-from rsmem.models.compiled import CompileSetting
 from rsmem.models.protocol import RecurrentModel
+from rsmem.models.step.compiled import CompileSetting
 from rsmem.threads import use_threads
 
 Prompt = str | Sequence[int]
@@ -40,9 +40,9 @@ def load_text_model(
 ) -> tuple[RecurrentModel, TextTokenizer | None]:
     """A model and its tokenizer (with BOS/EOS ids) from a GGUF file or an HF folder; ``compile`` as in
     :func:`rsmem.load_model`."""
-    from rsmem.loaders import build_model, build_tokenizer, read_checkpoint
+    from rsmem.loaders import build_model, build_tokenizer, read_tensors
 
-    ckpt = read_checkpoint(path)
+    ckpt = read_tensors(path)
     model = build_model(ckpt, dtype, compile)
     use_threads(model, n_threads)  # the thread policy (rsmem.threads): n_threads, RSMEM_THREADS or auto
     tokenizer = None

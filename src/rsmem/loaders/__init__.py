@@ -11,22 +11,23 @@ from tokenizers import Tokenizer
 
 from rsmem import malloc
 from rsmem.errors import ModelFormatError
-from rsmem.loaders.checkpoint import Checkpoint, build_model
 from rsmem.loaders.convert import convert_hf_to_gguf
 from rsmem.loaders.gguf import is_gguf, read_gguf
 from rsmem.loaders.hf import is_hf_folder, read_hf
-from rsmem.loaders.rwkv_convert import convert_blink_to_gguf, is_blink_checkpoint, read_blink
+from rsmem.loaders.registry import build_model
+from rsmem.loaders.rwkv.convert import convert_blink_to_gguf, is_blink_checkpoint, read_blink
+from rsmem.loaders.tensors import ModelTensors
 from rsmem.loaders.tokenizer import TokenizerData, build_tokenizer
-from rsmem.models.compiled import CompileSetting
-from rsmem.models.lfm2 import Lfm2Model
-from rsmem.models.mamba import MambaModel
-from rsmem.models.mamba2 import Mamba2Model
-from rsmem.models.nemotron_h import NemotronHModel
-from rsmem.models.qwen35 import Qwen35Model
+from rsmem.models.hybrid.lfm2 import Lfm2Model
+from rsmem.models.hybrid.nemotron_h import NemotronHModel
+from rsmem.models.hybrid.qwen35 import Qwen35Model
+from rsmem.models.mamba.mamba1 import MambaModel
+from rsmem.models.mamba.mamba2 import Mamba2Model
+from rsmem.models.step.compiled import CompileSetting
 from rsmem.threads import use_threads
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def read_tensors(path: str | os.PathLike[str]) -> ModelTensors:
     """A GGUF file or an HF folder (a ``config.json`` inside it) in llama.cpp's tensor form."""
     p = Path(path)
     if is_hf_folder(p):
@@ -55,11 +56,11 @@ def load_model(
     thread count (process-wide); None: ``RSMEM_THREADS``, else chosen by the model
     (:func:`rsmem.threads.use_threads`). ``compile``: whether decode steps run through
     ``torch.compile`` -- ``"auto"`` (large models, when a C++ compiler is present), True or False; None
-    reads ``RSMEM_COMPILE`` (see :mod:`rsmem.models.compiled`).
+    reads ``RSMEM_COMPILE`` (see :mod:`rsmem.models.step.compiled`).
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    ckpt = read_checkpoint(path)
+    ckpt = read_tensors(path)
     model = build_model(ckpt, dtype, compile)
     if ckpt.tokenizer is not None:
         model.tokenizer = build_tokenizer(ckpt.tokenizer)
@@ -71,12 +72,12 @@ def load_model(
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer | None:
     """The tokenizer stored with a model, or None."""
-    data = read_checkpoint(path).tokenizer
+    data = read_tensors(path).tokenizer
     return None if data is None else build_tokenizer(data)
 
 
 __all__ = [
-    "Checkpoint",
+    "ModelTensors",
     "TokenizerData",
     "build_model",
     "build_tokenizer",
@@ -85,5 +86,5 @@ __all__ = [
     "is_gguf",
     "load_model",
     "load_tokenizer",
-    "read_checkpoint",
+    "read_tensors",
 ]

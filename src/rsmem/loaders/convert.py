@@ -1,4 +1,4 @@
-"""Write an HF Mamba / Mamba-2 folder (or a hybrid's: :mod:`rsmem.loaders.hybrid_convert`) as GGUF the way
+"""Write an HF Mamba / Mamba-2 folder (or a hybrid's: :mod:`rsmem.loaders.hybrid.convert`) as GGUF the way
 llama.cpp's ``convert_hf_to_gguf.py`` does: the same keys, tensor names, transforms, vocabulary padding and
 per-tensor types."""
 
@@ -11,13 +11,13 @@ import gguf
 import numpy as np
 import torch
 
-from rsmem.loaders.checkpoint import Checkpoint, T, tensor_name
 from rsmem.loaders.hf import read_hf
-from rsmem.loaders.hybrid_convert import hybrid_gguf_tensors, write_hybrid_hparams
+from rsmem.loaders.hybrid.convert import hybrid_gguf_tensors, write_hybrid_hparams
 from rsmem.loaders.quantize import convert_then_quantize, quantize_types
-from rsmem.loaders.rwkv_convert import convert_rwkv7_hf_to_gguf
-from rsmem.loaders.rwkv_hf import is_rwkv7_folder
-from rsmem.models.mamba import MambaConfig
+from rsmem.loaders.rwkv.convert import convert_rwkv7_hf_to_gguf
+from rsmem.loaders.rwkv.hf import is_rwkv7_folder
+from rsmem.loaders.tensors import ModelTensors, T, tensor_name
+from rsmem.models.mamba.mamba1 import MambaConfig
 
 Q = gguf.GGMLQuantizationType
 OUTTYPES = {
@@ -45,10 +45,10 @@ def convert_hf_to_gguf(
                 lambda tmp: convert_hf_to_gguf(hf_dir, tmp, "f32"), out_path, outtype
             )
         raise ValueError(f"outtype must be one of {quantize_types()}, got {outtype!r}")
-    if is_rwkv7_folder(hf_dir):  # llama.cpp's RWKV layout: loaders/rwkv_convert.py
+    if is_rwkv7_folder(hf_dir):  # llama.cpp's RWKV layout: loaders/rwkv/convert.py
         return convert_rwkv7_hf_to_gguf(hf_dir, out_path, outtype)
     ckpt = read_hf(hf_dir)
-    hybrid = ckpt.arch not in VOCAB_PAD  # lfm2, nemotron_h: loaders/hybrid_convert.py
+    hybrid = ckpt.arch not in VOCAB_PAD  # lfm2, nemotron_h: loaders/hybrid/convert.py
     ckpt = ckpt if hybrid else _pad_vocab(ckpt)
     qtype, file_type = OUTTYPES[outtype]
     out_path = Path(out_path)
@@ -66,7 +66,7 @@ def convert_hf_to_gguf(
     return out_path
 
 
-def _pad_vocab(ckpt: Checkpoint) -> Checkpoint:
+def _pad_vocab(ckpt: ModelTensors) -> ModelTensors:
     """Pad the embedding (and output) with zero rows, and the vocabulary with ``[PAD{i}]`` tokens."""
     mult = VOCAB_PAD[ckpt.arch]
     n_vocab = -(ckpt.config.n_vocab // -mult) * mult
@@ -81,7 +81,7 @@ def _pad_vocab(ckpt: Checkpoint) -> Checkpoint:
     return ckpt
 
 
-def _write_hparams(w: gguf.GGUFWriter, ckpt: Checkpoint, file_type: gguf.LlamaFileType) -> None:
+def _write_hparams(w: gguf.GGUFWriter, ckpt: ModelTensors, file_type: gguf.LlamaFileType) -> None:
     cfg = ckpt.config
     w.add_context_length(CONTEXT_LENGTH)
     w.add_embedding_length(cfg.d_model)
@@ -102,7 +102,7 @@ def _write_hparams(w: gguf.GGUFWriter, ckpt: Checkpoint, file_type: gguf.LlamaFi
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _write_tokenizer(w: gguf.GGUFWriter, ckpt: Checkpoint) -> None:
+def _write_tokenizer(w: gguf.GGUFWriter, ckpt: ModelTensors) -> None:
     tok = ckpt.tokenizer
     assert tok is not None
     w.add_tokenizer_model(tok.model)

@@ -13,14 +13,14 @@ import torch
 from safetensors import safe_open
 
 from rsmem.errors import ModelFormatError
-from rsmem.loaders.checkpoint import Checkpoint, T, tensor_name
-from rsmem.loaders.hf_hybrid import HF_HYBRID_ARCHS, hybrid_checkpoint
-from rsmem.loaders.qwen35 import HF_MODEL_TYPES as QWEN35_MODEL_TYPES
-from rsmem.loaders.qwen35 import qwen35_checkpoint
-from rsmem.loaders.rwkv_hf import is_rwkv7_folder, read_hf_rwkv7
+from rsmem.loaders.hybrid.hf import HF_HYBRID_ARCHS, hybrid_checkpoint
+from rsmem.loaders.hybrid.qwen35 import HF_MODEL_TYPES as QWEN35_MODEL_TYPES
+from rsmem.loaders.hybrid.qwen35 import qwen35_checkpoint
+from rsmem.loaders.rwkv.hf import is_rwkv7_folder, read_hf_rwkv7
+from rsmem.loaders.tensors import ModelTensors, T, tensor_name
 from rsmem.loaders.tokenizer import tokenizer_data_from_hf
-from rsmem.models.mamba import MambaConfig
-from rsmem.models.mamba2 import Mamba2Config
+from rsmem.models.mamba.mamba1 import MambaConfig
+from rsmem.models.mamba.mamba2 import Mamba2Config
 
 LAYER = re.compile(r"^backbone\.layers\.(\d+)\.(.+)$")
 
@@ -51,15 +51,16 @@ def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").exists()
 
 
-def read_hf(folder: str | os.PathLike[str]) -> Checkpoint:
-    """Parse the folder into a :class:`Checkpoint` (ModelFormatError names what is missing or unsupported)."""
+def read_hf(folder: str | os.PathLike[str]) -> ModelTensors:
+    """Parse the folder into a :class:`ModelTensors` (ModelFormatError names what is missing or
+    unsupported)."""
     folder = Path(folder)
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelFormatError(f"{folder}: unreadable config.json ({exc})") from exc
     arch = config.get("model_type")
-    if is_rwkv7_folder(folder):  # RWKV-7 (fla-hub's layout or BlinkDL names): loaders/rwkv_hf.py
+    if is_rwkv7_folder(folder):  # RWKV-7 (fla-hub's layout or BlinkDL names): loaders/rwkv/hf.py
         return read_hf_rwkv7(folder)
     if arch in HF_HYBRID_ARCHS:
         return hybrid_checkpoint(folder, config, _read_safetensors(folder))
@@ -84,7 +85,7 @@ def read_hf(folder: str | os.PathLike[str]) -> Checkpoint:
     emb = tensors.get(tensor_name(T.TOKEN_EMBD))
     if emb is None:
         raise ModelFormatError(f"{folder}: missing tensor 'backbone.embeddings.weight'")
-    return Checkpoint(
+    return ModelTensors(
         arch=arch,
         config=_config(config, arch, emb.shape[0], folder),
         tensors=tensors,

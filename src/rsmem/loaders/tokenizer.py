@@ -128,7 +128,7 @@ def tokenizer_data_from_gguf(reader: gguf.GGUFReader, n_vocab: int | None = None
         return v
 
     model = value("tokenizer.ggml.model")
-    if model == "rwkv":  # the RWKV World vocabulary (see rsmem.loaders.rwkv_tokenizer): no merges
+    if model == "rwkv":  # the RWKV World vocabulary (see rsmem.loaders.rwkv.tokenizer): no merges
         data = TokenizerData(
             tokens=strings("tokenizer.ggml.tokens"),
             token_types=ints("tokenizer.ggml.token_type"),
@@ -178,10 +178,10 @@ def _check_vocabulary(data: TokenizerData, n_vocab: int | None) -> None:
 
 def build_tokenizer(data: TokenizerData) -> Tokenizer:
     """A byte-level BPE ``tokenizers.Tokenizer`` (GPT-2 pre-tokenisation) from the stored vocabulary; for
-    an ``rwkv`` vocabulary, a :class:`~rsmem.loaders.rwkv_tokenizer.RwkvTokenizer` (it offers the part of
+    an ``rwkv`` vocabulary, a :class:`~rsmem.loaders.rwkv.tokenizer.RwkvTokenizer` (it offers the part of
     ``tokenizers.Tokenizer`` the engine uses: encode, decode, get_vocab_size)."""
     if data.model == "rwkv":
-        from rsmem.loaders.rwkv_tokenizer import RwkvTokenizer
+        from rsmem.loaders.rwkv.tokenizer import RwkvTokenizer
 
         return cast("Tokenizer", RwkvTokenizer.from_gguf(data.tokens, data.token_types))
     vocab = {tok: i for i, tok in enumerate(data.tokens)}

@@ -24,7 +24,7 @@ NO_ROWS = torch.empty(0, dtype=torch.long)  # no rows to move (only read, never 
 class RowViews:
     """Views of rows ``[head, head + n)`` of every layer's state tensors, made once for a placement:
     step after step of steady decode, ``read_states`` hands out the very same view objects, so a model can
-    keep what it built from them (:class:`~rsmem.models.ops.step_memo.StepMemo`) and rebuild nothing.
+    keep what it built from them (:class:`~rsmem.models.step.memo.StepMemo`) and rebuild nothing.
     """
 
     def __init__(self, r_l: list[torch.Tensor | None], s_l: list[torch.Tensor | None]) -> None:

@@ -22,7 +22,7 @@ K + 1 tokens) are not split. A cut whose replay was S tokens or more keeps its r
 So a sequence holds at most two snapshots after each step, a replay is at most ``2S + K - 3`` tokens
 (``S - 1`` after one-token decodes), and snapshot buffers no history holds are reused.
 
-Measured, 130M configs with random weights (``rsmem.models.random_init``), one sequence, f32, eager, on
+Measured, 130M configs with random weights (``rsmem.models.mamba.random_init``), one sequence, f32, eager, on
 this machine (2 shared cores; minimum of repeated runs), K = 8, S = 16:
 
 | | Mamba (``mamba_130m``) | Mamba-2 (``mamba2_130m``) |

@@ -1,10 +1,10 @@
 """Models that run on the recurrent memory."""
 
-from rsmem.models.mamba import MambaConfig, MambaModel
-from rsmem.models.mamba2 import Mamba2Config, Mamba2Model
+from rsmem.models.mamba.mamba1 import MambaConfig, MambaModel
+from rsmem.models.mamba.mamba2 import Mamba2Config, Mamba2Model
 from rsmem.models.protocol import RecurrentModel, StateAccess
-from rsmem.models.rwkv6 import Rwkv6Config, Rwkv6Model
-from rsmem.models.rwkv7 import Rwkv7Config, Rwkv7Model
+from rsmem.models.rwkv.rwkv6 import Rwkv6Config, Rwkv6Model
+from rsmem.models.rwkv.rwkv7 import Rwkv7Config, Rwkv7Model
 from rsmem.models.toy import DecayedSumModel
 
 __all__ = [

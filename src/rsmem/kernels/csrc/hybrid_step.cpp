@@ -24,7 +24,7 @@
 //       dt_bias, A, D, ssm_norm, out_proj, window [M, ...], h [M, H, P, N]
 // then the final norm and the head. Every operand is checked before any state or cache row is written.
 //
-// Reference twin: the compiled chains' blocks (rsmem.models.ops.hybrid_fused) with the KV cache's
+// Reference twin: the compiled chains' blocks (rsmem.models.step.hybrid_fused) with the KV cache's
 // attention (rsmem.memory.kv_attention), tests/kernels/test_hybrid_step.py.
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -17,7 +17,7 @@
 //     norm and the head. A matrix of qtype -1 is float32 [out, in] with contiguous rows (the few-row kernel,
 //     rows_kernel.h); another qtype is blocks for rsmem_native::qmatmul (Q8_0, Q4_K, ..., F16, BF16).
 //
-// Reference twins: rsmem.models.ops.fused.mamba2_mixer_step_ and token_step (mamba2_layer_one_), the
+// Reference twins: rsmem.models.step.fused.mamba2_mixer_step_ and token_step (mamba2_layer_one_), the
 // compiled step's own function (tests/kernels/test_mamba2_step.py).
 #include <ATen/ATen.h>
 #include <torch/library.h>

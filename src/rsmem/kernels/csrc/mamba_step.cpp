@@ -12,7 +12,7 @@
 //     Channels (of every sequence) are shared between rsmem's product workers (pool.h). Row m of x, window
 //     and h is sequence m.
 //
-// Reference twin: rsmem.models.ops.fused.token_step of mamba_layer_one_, the compiled step's own function
+// Reference twin: rsmem.models.step.fused.token_step of mamba_layer_one_, the compiled step's own function
 // (tests/kernels/test_mamba_step.py).
 #include <ATen/ATen.h>
 #include <torch/library.h>

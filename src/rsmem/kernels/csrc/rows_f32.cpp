@@ -4,7 +4,7 @@
 //
 // oneDNN's packed product reads a 130M model's matrices at ~7 GB/s at 8 rows on this machine kind, a third
 // of the one-row GEMV's rate; this kernel is for the rows where it measures faster (the caller decides).
-// Its reference twin is x @ w.t() (rsmem.models.ops.small_rows.rows_ref; tests/kernels/test_rows_f32.py).
+// Its reference twin is x @ w.t() (rsmem.models.step.small_rows.rows_ref; tests/kernels/test_rows_f32.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -52,7 +52,7 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 #endif
 
 // Implemented as explicit composites (a packed twin is an MkldnnCPU tensor; an implicit composite, what
-// m.def with a function gives, may not have a fake), so that rsmem.models.ops.small_rows can give them fake
+// m.def with a function gives, may not have a fake), so that rsmem.models.step.small_rows can give them fake
 // implementations and compiled graphs call them as they are.
 TORCH_LIBRARY_FRAGMENT(RSMEM_OPS_NS, m) {
   m.def("rows_f32(Tensor x, Tensor w) -> Tensor");

@@ -394,7 +394,7 @@ inline at::Tensor packed_product(const at::Tensor& x, const at::Tensor& packed) 
 // x [M, K] @ w^T for w [N, K] given as oneDNN packed slices of its rows (slices[s] the next rows after
 // slices[s - 1]'s): the slices are shared between rsmem's workers, each running oneDNN's product on one
 // OpenMP thread (oneDNN's own two OpenMP threads sleep between products: rsmem's passive wait policy). The
-// RWKV steps take it from 32 rows (rsmem.models.ops.native_step.SLICED_FROM_ROWS).
+// RWKV steps take it from 32 rows (rsmem.models.step.native.SLICED_FROM_ROWS).
 inline at::Tensor sliced_product(const at::Tensor& x_in, at::TensorList slices, int64_t N) {
   // this thread's OpenMP setting at one thread while it lives (a thread's own; the one before restored)
   struct OneOpenMPThread {

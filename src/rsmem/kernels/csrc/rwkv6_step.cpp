@@ -6,7 +6,7 @@
 //       emb_norm, emb_norm_b, norm_f_b, slices, n_slices) -> logits [M, n_vocab]
 // (the matrices' forms and `slices` as in rwkv7_step.cpp)
 //
-// A layer's tensors are rsmem.models.ops.wkv_fused.RWKV6_FIELDS in order, then its token-shift rows
+// A layer's tensors are rsmem.models.step.wkv_fused.RWKV6_FIELDS in order, then its token-shift rows
 // [M, 2, C] and WKV state [M, H, N(k), N(v)], both updated in place:
 //   attn_norm, attn_norm_b, ffn_norm, ffn_norm_b, lerp_x, lerp [5, C] (w, k, v, r, g), w1 [5 E, C],
 //   w2 [5, C, E], decay, decay_w1 [Ed, C], decay_w2 [C, Ed], first (u) [C], receptance, key, value, gate,
@@ -18,7 +18,7 @@
 // f = layer_norm(x), x += sigmoid(xr ffn_receptance^T) * (relu(xk ffn_key^T)^2 ffn_value^T); the residual
 // halved after every rescale_every-th layer (0: never).
 //
-// Reference twin: rsmem.models.ops.wkv_fused.rwkv6_token_one_ (tests/kernels/test_rwkv_step.py).
+// Reference twin: rsmem.models.step.wkv_fused.rwkv6_token_one_ (tests/kernels/test_rwkv_step.py).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -5,7 +5,7 @@
 //       ffn_key, ffn_value], norm_f, head, head_qtype, eps, n_head, emb_norm, emb_norm_b, norm_f_b,
 //       slices, n_slices) -> logits [M, n_vocab]
 //
-// A layer's tensors are rsmem.models.ops.wkv_fused.RWKV7_FIELDS in order, then its token-shift rows
+// A layer's tensors are rsmem.models.step.wkv_fused.RWKV7_FIELDS in order, then its token-shift rows
 // [M, 2, C] and WKV state [M, H, N(v), N(k)], both updated in place:
 //   attn_norm, attn_norm_b, ffn_norm, ffn_norm_b, lerp [6, C] (r, w, k, v, a, g), w0, w1 [Lw, C], w2 [C, Lw],
 //   a0, a1, a2, v0, v1, v2, g1, g2, k_k, k_a, r_k, receptance, key, value, output, ln_x, ln_x_b,
@@ -22,7 +22,7 @@
 //   f = layer_norm(x), x += relu((f + (shift - f) lerp_k) ffn_key^T)^2 ffn_value^T.
 // The WKV update of every sequence's heads is shared between rsmem's product workers (pool.h).
 //
-// Reference twin: rsmem.models.ops.wkv_fused.rwkv7_token_one_, the compiled step's own function
+// Reference twin: rsmem.models.step.wkv_fused.rwkv7_token_one_, the compiled step's own function
 // (tests/kernels/test_rwkv_step.py).
 #include <ATen/ATen.h>
 #include <torch/library.h>

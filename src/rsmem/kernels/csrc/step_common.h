@@ -50,13 +50,13 @@ inline void check_f32(const char* op, const at::Tensor& t, int64_t numel, const 
 
 // qtype of a float32 [out, in] matrix given as its oneDNN packed twin (torch.ops.mkldnn._reorder_linear_weight):
 // the products of many rows run through oneDNN's blocked product on it; the caller passes it from the rows
-// where that beats the few-row kernel (rsmem.models.ops.native_step.PACKED_FROM_ROWS)
+// where that beats the few-row kernel (rsmem.models.step.native.PACKED_FROM_ROWS)
 constexpr int64_t kPackedF32 = -2;
 
 // qtype of a float32 [out, in] matrix whose products run through oneDNN packed slices of its rows
 // (rows::sliced_product), from the op's `slices` argument; the matrix's own operand is the plain matrix
 // (checked as qtype -1). The caller passes it from the rows where it beats the few-row kernel
-// (rsmem.models.ops.native_step.SLICED_FROM_ROWS).
+// (rsmem.models.step.native.SLICED_FROM_ROWS).
 constexpr int64_t kSlicedF32 = -3;
 
 // The op's `slices`: `per` packed slices for each matrix in the order of its qtypes, the head's last; only

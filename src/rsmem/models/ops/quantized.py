@@ -6,9 +6,9 @@ blocks: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, or F16 / BF16 values, 2 bytes each; one ``
 through :mod:`rsmem.kernels` (C++ kernels that dequantize or widen in registers, or their reference twin:
 dequantize, then matmul), and an embedding lookup dequantizes only the rows it reads.
 
-Where a model holds a float matrix as ``[in, out]`` (see :mod:`rsmem.models.ops.packed`) it can hold a
+Where a model holds a float matrix as ``[in, out]`` (see :mod:`rsmem.models.step.packed`) it can hold a
 QuantMatrix instead: :func:`~rsmem.models.ops.common.linear` and the compiled steps'
-:func:`~rsmem.models.ops.fused.gemv` both send it to :meth:`QuantMatrix.matmul_t`, and :func:`out_in` gives
+:func:`~rsmem.models.step.fused.gemv` both send it to :meth:`QuantMatrix.matmul_t`, and :func:`out_in` gives
 the ``[out, in]`` form the compiled steps take of either kind.
 """
 

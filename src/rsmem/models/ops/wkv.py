@@ -151,7 +151,8 @@ def wkv7_chunked_(
     ``[Bs, L, H, N]``; updates ``state`` ``[Bs, H, N, N]`` in place and returns ``y`` ``[Bs, L, H, N]``.
 
     Padding tokens (``k = v = a = b = 0``, no decay) leave the state unchanged. ``intra``:
-    :func:`wkv7_intra` compiled (:mod:`rsmem.models.compiled`); with it every chunk is ``chunk_size`` tokens
+    :func:`wkv7_intra` compiled (:mod:`rsmem.models.step.compiled`); with it every chunk is ``chunk_size``
+    tokens
     (a short prompt is padded), so that one compilation serves every prompt."""
     bs, length, h, n = r.shape
     size, n_chunks, chunks = chunked_layout(length, chunk_size, full=intra is not None)

@@ -97,7 +97,7 @@ def wkv6_chunked_(
     ``[Bs, L, H, N]``, ``u`` ``[H, N]``; updates ``state`` ``[Bs, H, N, N]`` in place and returns ``y``
     ``[Bs, L, H, N]``. Padding tokens (``k = v = 0``, no decay) leave the state unchanged.
 
-    ``intra``: :func:`wkv6_intra` compiled (:mod:`rsmem.models.compiled`); with it every chunk is
+    ``intra``: :func:`wkv6_intra` compiled (:mod:`rsmem.models.step.compiled`); with it every chunk is
     ``chunk_size`` tokens (a short prompt is padded), so that one compilation serves every prompt."""
     bs, length, h, n = r.shape
     size, n_chunks, chunks = chunked_layout(length, chunk_size, full=intra is not None)
