@@ -101,15 +101,15 @@ def _load(args: argparse.Namespace, n_seq_max: int) -> LLM:
     return llm
 
 
-# models whose prompts of 64+ tokens run C++ kernels: the convolution (csrc/conv1d.cpp) of every model with
-# a short conv, and Mamba-2's scan
-KERNEL_ARCHS = ("mamba", "mamba2", "nemotron_h", "lfm2", "qwen35")
-
-
 def prepare_kernels(model: object) -> bool:
     """For a server: load (or build, 30-55 s once per machine) the C++ kernels now when ``model``'s
     prompts will use them, so that no request waits for the build; whether they are loaded."""
-    if getattr(model, "arch", None) not in KERNEL_ARCHS:
+    from rsmem.loaders.registry import ARCHS
+
+    # prompts of 64+ tokens run C++ kernels in every family with a short convolution (csrc/conv1d.cpp):
+    # all but RWKV's
+    entry = ARCHS.get(str(getattr(model, "arch", None)))
+    if entry is None or entry.family == "rwkv":
         return False
     from rsmem.kernels.build import native_ops
 

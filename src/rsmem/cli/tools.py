@@ -17,6 +17,7 @@ from rsmem.cli.model import model_path
 from rsmem.cli.run import Progress
 from rsmem.errors import RsmemError
 from rsmem.loaders.quantize import convert_then_quantize, quantize_types
+from rsmem.loaders.registry import archs_of
 from rsmem.loaders.tensor_types import Holding
 from rsmem.models.ops.quantized import QuantMatrix
 
@@ -75,7 +76,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     path = model_path(args.model)
     model, tokenizer = load_text_model(path)
     hybrid = isinstance(getattr(model, "kv_layers", None), Mapping)
-    rwkv = getattr(model, "arch", None) in RWKV_ARCHS
+    rwkv = getattr(model, "arch", None) in archs_of("rwkv")
     if not hybrid and not rwkv and not isinstance(model, MambaFamilyModel):
         raise RsmemError(
             f"{path}: info describes Mamba-family, RWKV and hybrid models, not {type(model).__name__}"
@@ -133,7 +134,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-RWKV_ARCHS = ("rwkv6", "rwkv7", "arwkv7", "rwkv6qwen2")
 IN_BLOCKS = (Holding.KEPT, Holding.KEPT_2BYTES, Holding.REQUANTIZED)  # multiplied by the C++ kernels
 KERNELS_NOTE = " (rsmem's kernels)"  # how such a holding ends; said only where the kernels load
 # the attributes holding a model's weights (those it has): embedding, RWKV's embedding norm, layers, head
