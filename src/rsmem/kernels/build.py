@@ -5,7 +5,7 @@ convolution and gated norm) with
 ``torch.utils.cpp_extension.load`` (ninja, ``-O3 -march=native``: AVX-512 code where the CPU has it, else a
 portable path) into the folder that :func:`rsmem.settings.kernels_setting` names, and loads it as torch ops
 (``torch.ops.rsmem_native``: no Python module, so no pybind; with ATen's and torch/library.h's headers instead
-of torch/extension.h the headers compile in ~20 s instead of ~70 s here). The build is cached there, keyed by
+of torch/extension.h the headers compile in a fraction of the time). The build is cached there, keyed by
 the sources, flags, torch version and the CPU's flags; a later process only loads it. When kernels are
 disabled (``RSMEM_KERNELS=0``) or building or loading fails (no compiler, ninja missing, a compile error), it
 returns None once with a warning, and the callers use the torch reference twin instead (same results within
@@ -118,7 +118,7 @@ def build_variant(namespace: str, cflags: tuple[str, ...], folder: Path) -> Any:
     build_dir = folder / name
     build_dir.mkdir(parents=True, exist_ok=True)
     with _build_lock(build_dir):
-        if not (build_dir / f"{name}.so").exists():  # ~30 s here, once per machine: say so, not a pause
+        if not (build_dir / f"{name}.so").exists():  # slow, once per machine: say so, not a pause
             sys.stderr.write(f"[rsmem: building its C++ kernels for this CPU, once, into {build_dir}]\n")
         cpp_extension.load(
             name=name,

@@ -13,29 +13,28 @@ Routes by the number of activation rows ``M`` (the C++ side, ``csrc/qmatmul.cpp`
 - Q4_K, Q5_K, Q6_K on CPUs with AVX512-VNNI, every ``M``: activations quantized to 8 bits per block of
   256 values once per product, as llama.cpp's Q8_K (``d = amax / 127``), and integer dot products with the
   blocks' own integers: what llama.cpp computes for these types. Few rows (``csrc/int8.h``, route 3):
-  blocks unpacked in registers (vpmaddubsw, vpdpwssd), 2-2.5x faster than dequantizing them at one row;
+  blocks unpacked in registers (vpmaddubsw, vpdpwssd), never dequantized into memory;
   more rows (Q4_K / Q5_K from 7, Q6_K from 25; ``csrc/int8_gemm.h``, route 4): 16 weight rows repacked
-  per task into 4-value groups, vpdpbusd, 2.2x the bf16 route at 512 rows. Their twin: the Q8_K-quantized
+  per task into 4-value groups, vpdpbusd, ahead of the bf16 route at every M. Their twin: the Q8_K-quantized
   activations times the dequantized weights (to ~1e-7 of ``sum |x w|``, tests/kernels/test_int8_route.py).
 - Q8_0 and Q4_0 on CPUs with AVX512-VNNI, rows of whole 256-value blocks (``k % 256 == 0``), every ``M``:
   activations quantized per 32 values as llama.cpp's Q8_0 (what llama.cpp multiplies these types with),
-  integer dot products: in registers up to 8 rows (``csrc/int8_small.h``; one row 2x route 0's speed),
-  on the panels beyond. Their twin: the same with 32-value blocks.
+  integer dot products: in registers up to 8 rows (``csrc/int8_small.h``, ahead of route 0's float32
+  dequantization), on the panels beyond. Their twin: the same with 32-value blocks.
 - Otherwise, ``M <= 8`` (one-sequence decode, small batches): blocks are dequantized in registers and
   multiplied with the float32 activations: the reference's values, only the summation order differs
   (~1e-6 of ``sum |x w|``).
 - Otherwise, larger ``M`` (large batches, prefill), on CPUs with AVX512-BF16: activations are rounded to
   bfloat16, tiles of 64 weight rows dequantized to bfloat16 in cache, and multiplied with float32 sums
-  (vdpbf16ps): about 2x the float32 GEMM's speed; the error, ~2.5e-3 of the largest output on random
-  data, is below what llama.cpp's own 8-bit activation quantization gives (tests/kernels check that).
+  (vdpbf16ps), ahead of the float32 GEMM; the error is below what llama.cpp's own 8-bit activation
+  quantization gives (tests/kernels check that).
 - Otherwise, larger ``M`` without AVX512-BF16: tiles dequantized to float32 and torch's GEMM (the
   reference's values).
 - F16 and BF16 (``csrc/half_routes.h``), every CPU: the 2-byte values widened to float32 as they are used,
   float32 activations and sums (the widened-float32 product up to summation order, ~1e-7 of
   ``sum |x w|``). Up to 32 rows the weights stream once through registers (``csrc/rows_kernel.h``, the
-  few-row float32 kernel's code with widening loads: one row of [3352, 768] 0.09 ms against 0.31 for
-  oneDNN's float32 product); more rows (prefill) widen chunks of rows to float32 for oneDNN's GEMM
-  (within ~10% of the float32 packed product at 512 rows).
+  few-row float32 kernel's code with widening loads, ahead of oneDNN's float32 product at these rows); more
+  rows (prefill) widen chunks of rows to float32 for oneDNN's GEMM (close to the float32 packed product).
 
 :func:`qmatmul_ref` is the plain reference twin: dequantize (:func:`dequantize_rows`, gguf's values) in
 row tiles, so that no float32 copy of a whole large matrix is made at once, and ``x @ tile.T``.

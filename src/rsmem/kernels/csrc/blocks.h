@@ -21,9 +21,8 @@ namespace rsmem {
 enum QType : int64_t { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 // The least weight bytes a thread's share of a few-row product (routes 0 and 3) gets: a matrix under twice
-// this runs on one thread. Beside busy processes, waking a second thread costs more than it saves on small
-// matrices (2 cores, load average 5-7, passive wait, Q4_K at M=1, median wall time of 1 / 2 threads:
-// [768, 1536] 0.099 / 0.131 ms, [3352, 768] 0.242 / 0.273 ms, [50288, 768] 3.43 / 3.33 ms).
+// this runs on one thread. Beside busy processes, with threads that sleep between products, waking a second
+// thread costs more than it saves on a matrix of a few MiB or less; a large head gains from it.
 constexpr int64_t kTaskBytes = 1 << 20;
 
 inline float f16(const uint8_t* p) {

@@ -131,7 +131,7 @@ void matmul_registers_nr(const float* x, const uint8_t* w, float* y, int64_t M, 
   });
 }
 
-// Whether M > 4 rows go eight at a time against two weight rows (measured faster for these types; Q6_K's
+// Whether M > 4 rows go eight at a time against two weight rows (the faster for these types; Q6_K's
 // unpacking needs more registers and is faster four at a time against four weight rows).
 template <class T>
 struct Wide : std::true_type {};

@@ -1,8 +1,8 @@
 // A hybrid model's one-token decode step in C++ (LFM2, Nemotron-H): one op call a token of one or a few
 // sequences, attention's KV store and attention included, instead of a compiled chain per stretch between
-// attention layers with the KV cache's part eager between them (at 130M, LFM2's one-sequence step spent
-// ~7 ms a token beside ~22 ms of products: dynamo's guards, the chains' wrappers, SDPA's parallel region
-// for one query, the KV store's index copy).
+// attention layers with the KV cache's part eager between them (around the products a token paid a large
+// share of its time for dynamo's guards, the chains' wrappers, SDPA's parallel region for one query and
+// the KV store's index copy).
 //
 //   hybrid_step(x [M, d_model], kinds int[], blocks Tensor[], qtypes int[] (2 a block), heads int[]
 //       (n_head, n_head_kv an attention block), scales float[] (one an attention block), store [M] long,

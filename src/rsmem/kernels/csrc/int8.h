@@ -11,9 +11,8 @@
 // Chunks of 64 values: Q5_K chunk c holds sub-blocks 2c and 2c + 1 (the low and high nibbles of the same 32
 // bytes); Q4_K's chunks pair them across 64 bytes instead (k4_at: activations stored in that order); Q6_K
 // chunk c holds values 64c .. 64c + 63 in order (sub-blocks 4c .. 4c + 3).
-// The scales and mins are unpacked in vector registers and d, dmin by F16C: the scalar unpacking (whose four
-// words were read back as one vector, a failed store forward) held Q4_K's one-row product at 9.6 GB/s a
-// thread here, against 16.4 after ([50280, 768], one thread, in cache; Q6_K 18.2 -> 20.0 by F16C alone).
+// The scales and mins are unpacked in vector registers and d, dmin by F16C: a scalar unpacking writes four
+// words and reads them back as one vector, a failed store forward that stalls every block.
 #pragma once
 
 #include "blocks.h"
@@ -361,7 +360,7 @@ void matmul_nr(const ABlock* a, const uint8_t* w, float* y, int64_t M, int64_t N
   // at least kTaskBytes of weights (over M / 8) per task: see blocks.h
   const int64_t work = ldw * NR * std::max<int64_t>(1, M / 8);
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, work));
-  // stream the weights ahead (6 groups: Q8_0 [50288, 768] M=1 4.1 -> 3.1 ms at 2; 12 no better)
+  // stream the weights ahead (6 groups: enough for the loads to overlap the sums; more gain nothing)
   const int64_t pf = M <= 8 ? 6 * NR : 0;
   pool::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -406,9 +405,8 @@ void matmul(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, in
   at::Tensor buf;
   const ABlock* a = quantized(x, M, K, buf, T::BS == 32, std::is_same_v<T, Q4_0>, k4_order<T>());
   if (M == 1) {
-    // two weight rows at a time: weights streamed from memory (matrices of 60-120 MB, 1 thread, GB/s, 4 /
-    // 2 rows a group): Q6_K 10.4 / 16.1, Q8_0 12.6 / 20.9, Q4_K 15.9 / 15.2, Q5_K 17.6 / 17.7; Q4_K after
-    // the vector unpacking, [50280, 768] in a 480 MiB L3: 15.7 / 16.4
+    // two weight rows at a time: streaming weights from memory, two rows a group keep more of the bandwidth
+    // than four for Q6_K and Q8_0, and as much for Q4_K and Q5_K
     matmul_nr<T, 2, 1>(a, w, y, M, N, K);
   } else if (M == 2) {
     matmul_nr<T, 4, 2>(a, w, y, M, N, K);

@@ -38,8 +38,8 @@ constexpr uint64_t kClosed = uint64_t{1} << 31;
 constexpr uint64_t kActive = kClosed - 1;
 constexpr int kMaxThreads = 255;  // the ticket's low byte
 // A yield this long ran a neighbour: beside a CPU-bound process a yield lasts its slice (a millisecond or
-// more); on a quiet 2-core VM yields ran kernel threads for 38-99 us (median 63, once 404), and a 20 us
-// bound read each as a neighbour (45 times in 3 s, each stopping the spin for kBusyHold).
+// more); on a quiet machine yields run kernel threads for tens of microseconds, now and then hundreds, and a
+// bound under those would read each as a neighbour and stop the spin for kBusyHold.
 constexpr std::chrono::microseconds kBusyYield{250};
 constexpr int64_t kCheckEvery = 1000000;             // ns between two reads of the preemption count
 constexpr int64_t kWindow = 20000000;                // ns: preemptions are counted over windows this long
@@ -102,12 +102,11 @@ void work(Job& j) {
 
 // Whether this process was preempted lately: its threads' involuntary context switches (getrusage, read at
 // most once a millisecond) came at kBusyRate a second or more over a window of at least kWindow, within the
-// last kBusyHold. Beside a busy neighbour every slice ends that way (hundreds a second); a spinning worker
+// last kBusyHold. Beside a busy neighbour every slice ends that way; a spinning worker
 // then only delays itself (a runnable thread waits for the other's slice, a sleeper woken has the
-// scheduler's preference). A quiet machine preempts too, now and then (kernel threads, timers: 10-30 a
-// second on a 2-core VM), and reading any single one as a neighbour stopped the spin for 50 ms at a time:
-// there, Mamba Q4_K_M's one-sequence step slept and woke its worker 44 times a token (9.1 ms a step, against
-// 6.9-7.7 spinning).
+// scheduler's preference). A quiet machine preempts too, now and then (kernel threads,
+// timers), and reading any single one as a neighbour would stop the spin for kBusyHold at a time: a
+// one-sequence step would then sleep and wake its worker for most of its products, slower than spinning.
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();

@@ -2,16 +2,16 @@
 // wait that spins only while the core is otherwise idle.
 //
 // Why: torch's OpenMP threads either spin after each parallel region (libgomp's default; beside a busy
-// neighbour a spinning thread holds the core its partner needs, and steps took 9-86x longer) or sleep at once
-// (rsmem's OMP_WAIT_POLICY=PASSIVE), so that each of a decode step's ~100 products wakes the worker through
-// the kernel first (a futex wake and, on a quiet machine, a core leaving its idle state): a quiet machine's
-// one-sequence decode lost 24-41% to that against a short spin. libgomp's spin cannot see a neighbour. Here
-// an idle worker waits for the next product in a loop that calls sched_yield between short bursts of
-// `pause`: on a core with nothing else to run the call returns at once and the worker keeps spinning; where
-// another thread is runnable on that core (a neighbour, the caller, the server's event loop) the scheduler
-// runs that one instead. After `spin_us` microseconds without work the worker sleeps on a condition
-// variable; spin_us 0 sleeps at once (OpenMP's passive wait), and a negative spin_us (set_pool) hands every
-// range back to at::parallel_for (torch's OpenMP threads), the reference this is checked against.
+// neighbour a spinning thread holds the core its partner needs, and steps take many times longer) or sleep at
+// once (rsmem's OMP_WAIT_POLICY=PASSIVE), so that each of a decode step's ~100 products wakes the worker
+// through the kernel first (a futex wake and, on a quiet machine, a core leaving its idle state): a quiet
+// machine's one-sequence decode loses a large share of its speed to that against a short spin. libgomp's spin
+// cannot see a neighbour. Here an idle worker waits for the next product in a loop that calls sched_yield
+// between short bursts of `pause`: on a core with nothing else to run the call returns at once and the worker
+// keeps spinning; where another thread is runnable on that core (a neighbour, the caller, the server's event
+// loop) the scheduler runs that one instead. After `spin_us` microseconds without work the worker sleeps on a
+// condition variable; spin_us 0 sleeps at once (OpenMP's passive wait), and a negative spin_us (set_pool)
+// hands every range back to at::parallel_for (torch's OpenMP threads), the reference this is checked against.
 //
 // rsmem::pool::parallel_for(begin, end, grain, f) is at::parallel_for's contract: f(b, e) over disjoint
 // ranges covering [begin, end), each at least `grain` long but the last, on torch.get_num_threads()

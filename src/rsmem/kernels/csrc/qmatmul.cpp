@@ -42,18 +42,13 @@ namespace rsmem {
 namespace {
 
 constexpr int64_t kTileMinM = 9;
-// Up to how many rows Q8_0 / Q4_0 take route 3. [3352, 768], 1 thread, CPU ms, route 0 / 3 / 4: Q8_0 M=1
-// 0.317 / 0.149 / 0.636 (wall), M=8 - / 0.364 / 0.429, M=10 - / 0.466 / 0.464; Q4_0 M=1 0.310 / 0.169 /
-// 0.542 (wall), M=8 - / 0.389 / 0.386, M=10 - / 0.508 / 0.422.
+// Up to how many rows Q8_0 / Q4_0 take route 3: ahead of route 0 at one row and of route 4 up to 8 rows;
+// beyond, route 4's panels are the faster.
 constexpr int64_t kSmallRegistersMaxM = 8;
-// Up to how many rows the int8 types take route 3 (int8 in registers); beyond, route 4 (int8 panels).
-// Measured on in_proj [3072, 768], 1 thread, CPU time: Q4_K route 3 / 4 at M=4 0.16 / 0.19 ms, M=8 0.31 /
-// 0.25; Q6_K (its panels cost more to pack and sum) M=16 0.78 / 1.00, M=64 2.83 / 2.02. Both are faster
-// than routes 0 and 2 at every M (route 2 at M=512: 17.7 ms; route 4: Q4_K 8.1, Q6_K 11.2). After route 3's
-// blocks were unpacked in vector registers (int8.h), [3352, 768] in ms, route 3 / 4: Q4_K M=8 0.31 / 0.48,
-// M=12 0.53 / 0.53, M=16 0.69 / 0.58; Q5_K M=8 0.42 / 0.55 (the head [50280, 768]: Q4_K M=8 4.5 / 6.7).
-// Q8_0 / Q4_0 (k a multiple of 256; route 0 otherwise, or route 1 / 2 from kTileMinM rows): route 2 / 4
-// at M=64 2.2 / 1.6 ms, M=512 17.0 / 10.4.
+// Up to how many rows the int8 types take route 3 (int8 in registers); beyond, route 4 (int8 panels), each
+// where it is the faster: Q6_K's panels cost more to pack and sum, so it stays on route 3 longer. Both are
+// faster than routes 0 and 2 at every M. Q8_0 / Q4_0 (k a multiple of 256; route 0 otherwise, or route 1 / 2
+// from kTileMinM rows): route 4 is ahead of route 2 at many rows too.
 template <class T>
 constexpr int64_t int8_registers_max_m() {
   if constexpr (std::is_same_v<T, Q6_K>) return 24;

@@ -2,8 +2,8 @@
 // a few sequences) and w [N, K] row-major float32 (a model's [out, in] matrix), streaming w once: the
 // kernel of rows_kernel.h with float32 weights.
 //
-// oneDNN's packed product reads a 130M model's matrices at ~7 GB/s at 8 rows on this machine kind, a third
-// of the one-row GEMV's rate; this kernel is for the rows where it measures faster (the caller decides).
+// At a few rows oneDNN's packed product reads a model's matrices at a fraction of the one-row GEMV's rate;
+// this kernel is for the row counts where it is the faster (the caller decides).
 // Its reference twin is x @ w.t() (rsmem.models.step.small_rows.rows_ref; tests/kernels/test_rows_f32.py).
 
 #include <ATen/ATen.h>

@@ -149,12 +149,11 @@ struct BF16W {
 #if defined(__AVX512F__) || defined(__AVX2__)
 // y[m, n0 + r] for r < R, m < MB: the weight rows w + (n0 + r) * ldw against the activation rows x + m * ldx.
 // `next` (pf_rows rows of a later block, or null) is prefetched into L2 as this block goes: into L1, or just
-// the next block, gains nothing here; kAhead blocks ahead into L2 lets the loads overlap the multiply-adds
-// (float32, 8 rows of [65536, 768], one thread: 9.0 -> 14.3 GB/s). One cache line a row every 64 bytes.
+// the next block, gains nothing; kAhead blocks ahead into L2 lets the loads overlap the multiply-adds.
+// One cache line a row every 64 bytes.
 // A single activation row (two_rows) is left to the hardware prefetcher: its loop is bound by memory, not by
-// the multiply-adds, and the prefetches only add loads (an AVX-512 AMD EPYC, 32 MiB L3, [3072, 768] float32,
-// one thread: 31.5 -> 34.1 GB/s without them, a 130M model's one-sequence step 5% faster; 8 rows there:
-// 26.0 GB/s with them, 12.5 without; 2 rows about even, 4 rows 7% better with them).
+// the multiply-adds, and the prefetches only add loads; from 4 rows on the multiply-adds are enough work for
+// the prefetches to pay off (at 2 rows they are about even).
 template <class W, int R, int MB>
 inline void block(const typename W::T* __restrict w, int64_t ldw, const float* __restrict x, int64_t ldx,
                   int64_t K, float* __restrict y, int64_t ldy, const typename W::T* next, int64_t pf_rows,
@@ -193,12 +192,8 @@ inline void block(const typename W::T* __restrict w, int64_t ldw, const float* _
 
 // y[n] for n in [n0, n1): one activation row against two streams of weight rows, the range's first half and
 // its second half in step (a row of each at a time, two accumulators a row), the odd row last.
-// Two streams far apart kept more of memory's bandwidth than one, and two neighbouring rows less (both
-// in a standalone loop, 2 threads, [65536, 768] float32 cold, an AVX-512 AMD EPYC: one stream 27-40 GB/s
-// in 5 rounds, two halves apart 29-47, two neighbouring rows 21-23, three or four streams 27-38). One
-// sequence's 130M decode step, 16 steps a round in one process (an environment switch in a scratch
-// build), one stream's time / two streams': RWKV-7 1.105 (0.887-1.496, 20 rounds) and 1.141 (0.819-1.747,
-// 30 rounds), RWKV-6 1.124 (0.914-1.598, 20 rounds).
+// Two streams far apart keep more of memory's bandwidth than one, two neighbouring rows less, and three or
+// four streams no more than two: a one-sequence decode step is faster with two.
 template <class W>
 inline void two_rows(const typename W::T* __restrict w, int64_t ldw, const float* __restrict x, int64_t K,
                      float* __restrict y, int64_t n0, int64_t n1) {

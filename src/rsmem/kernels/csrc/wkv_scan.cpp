@@ -8,8 +8,8 @@
 //       per token: y = S^T r + (r . u k) v, then S = diag(exp(log_w)) S + k v^T (rsmem.models.ops.wkv6)
 //
 // The state is updated in place. The chunked kernels (parallel within a chunk: their products are
-// [T, T] and [T, N] matrices) did the same work as ~80 library calls a chunk and layer: a 512-token prompt
-// of the 130M RWKV-7 spent ~190 of its ~520 ms in them. Reference twins: wkv7_ref_ and wkv6_ref_, the
+// [T, T] and [T, N] matrices) did the same work as ~80 library calls a chunk and layer, whose overhead
+// made up a large share of a prompt's time. Reference twins: wkv7_ref_ and wkv6_ref_, the
 // one-token steps in a loop (tests/rwkv/test_wkv_scan.py).
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -14,9 +14,7 @@ namespace wkv {
 
 #if defined(__AVX512F__)
 // token7's rows [vi, vi + R) of S (N a multiple of 16) with AVX-512, their R chains of sums interleaved:
-// one row at a time, each row waited on its two horizontal sums. The 130M RWKV-7's one-sequence step in a
-// phase-timed build: its WKV updates 300 -> 210 us a token; step time four rows / one, interleaved rounds in
-// two processes: 0.991 (0.65-1.05) at one sequence, 0.95 (0.89-0.96) at 64.
+// one row at a time, each row would wait on its two horizontal sums.
 template <int R>
 inline void rows7(float* __restrict S, const float* __restrict r, const float* __restrict w,
                   const float* __restrict k, const float* __restrict v, const float* __restrict a,
