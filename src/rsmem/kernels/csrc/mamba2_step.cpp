@@ -1,6 +1,6 @@
 // Mamba-2's one-token decode step in C++: one op call a token (of one or a few sequences) instead of a
-// compiled graph whose Python wrapper, dynamo guards and ~100 small buffers cost 2.5-3 ms a token of the
-// 130M model (the products themselves stream the weights at the machine's read rate).
+// compiled graph whose Python wrapper, dynamo guards and ~100 small buffers cost a large share of a
+// small model's token (the products themselves stream the weights at the machine's read rate).
 //
 //   mamba2_mixer_one_(zxbcdt [Bs, d_inner + conv_dim + H], window [Bs, conv_dim, K-1] (moved in place),
 //       conv_weight [conv_dim, K], conv_bias [conv_dim], dt_bias, A, D [H], ssm_norm [d_inner],

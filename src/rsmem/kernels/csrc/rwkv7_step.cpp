@@ -117,8 +117,8 @@ MixProducts mix_products(const at::Tensor* t, const int64_t* q, const at::Tensor
     return o;
   }
   // Few rows of plain matrices: r, k, v beside the low-rank first factors in one parallel region, then the
-  // second factors in another (rows::products): on one thread each, the 130M model's low-rank products
-  // streamed ~35 GB/s where the big ones on both threads streamed ~50.
+  // second factors in another (rows::products): on one thread each, the low-rank products stream nearly as
+  // fast as the big ones on every thread, so they share the big ones' regions instead of adding their own.
   const auto opts = mix.options();
   const float* xp = mix.data_ptr<float>();
   auto out = [&](const at::Tensor& w) { return at::empty({M, w.size(0)}, opts); };
@@ -209,7 +209,7 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     step::each_row(M, 6 * C, [&](int64_t m) {
       int64_t j = 0;
 #if defined(__AVX512F__)
-      for (; j + 16 <= C; j += 16) {  // std::exp one value at a time was ~3% of a 64-sequence step
+      for (; j + 16 <= C; j += 16) {  // std::exp one value at a time: a visible share of a wide step
         const int64_t e = m * C + j;
         const __m512 sw = sigmoid16(_mm512_add_ps(_mm512_loadu_ps(w0 + j), _mm512_loadu_ps(dwp + e)));
         _mm512_storeu_ps(wp + e, exp16(_mm512_mul_ps(_mm512_set1_ps(-kDecayScale), sw)));

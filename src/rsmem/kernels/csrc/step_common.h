@@ -233,7 +233,7 @@ inline void low_rank_rows(const float* __restrict x, int64_t ldx, int64_t M, int
 }
 
 // Rows and inner size from which a low-rank product takes low_rank_rows (fewer rows: the few-row kernel; at
-// 8 rows the per-call transposition made RWKV-6's step 7% slower)
+// a few rows the per-call transposition costs more than low_rank_rows saves)
 constexpr int64_t kLowRankRows = 32;
 constexpr int64_t kLowRankMaxK = 128;
 
