@@ -101,7 +101,8 @@ def one_operand(held: HeldMatrices, weight_t: torch.Tensor) -> SmallRows | torch
 def many_head(held: HeldMatrices, rows: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     """The logits of several sequences' normed ``rows`` ``[n, d_model]``: the held head (``[in, out]``)
     through :func:`many_operand` when it has a packed twin (the head is a quarter of a 130M model's
-    weights: 14.5 against 9.4 GB/s at 8 rows in the kernel's commit), else :meth:`HeldMatrices.linear`."""
+    weights, and at a few rows the few-row kernel streams it faster than the packed twin), else
+    :meth:`HeldMatrices.linear`."""
     if held.packed.twin(lm_head) is None:
         return held.linear(rows, lm_head)
     return matmul_rows(rows, many_operand(held, lm_head))

@@ -14,9 +14,9 @@ def linear(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """``x @ weight_t`` in the weight's dtype (bf16 matrices), returned as float32 for the residual stream.
 
     Without oneDNN packing models keep their matrices transposed, ``[in, out]`` contiguous: on CPU the plain
-    product is up to ~2x faster than ``F.linear`` on ``[out, in]`` for one or a few rows (decode), measured
-    with torch 2.13. With packing they hold ``[in, out]`` views of ``[out, in]`` float32 matrices instead
-    (see :mod:`rsmem.models.step.packed`), which bypass this function.
+    product beats ``F.linear`` on ``[out, in]`` for one or a few rows (decode). With packing they hold
+    ``[in, out]`` views of ``[out, in]`` float32 matrices instead (see :mod:`rsmem.models.step.packed`), which
+    bypass this function.
     """
     if weight_t.dtype == x.dtype:
         return torch.matmul(x, weight_t)

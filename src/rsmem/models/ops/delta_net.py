@@ -73,8 +73,8 @@ def delta_rule_ref(
 def unit_lower_inverse(a: torch.Tensor, block: int = 16) -> torch.Tensor:
     """``(I + a)^-1`` of strictly lower-triangular ``a`` ``[..., C, C]``: forward substitution inside the
     ``block``-sized diagonal blocks (all blocks of the batch at once), then diagonal blocks of ``s`` merged
-    into blocks of ``2s`` (lower-left ``-T22 a21 T11``). 2.5 ms for 128 matrices of 64 here, where torch's
-    batched ``solve_triangular`` took 0.9 s for 256."""
+    into blocks of ``2s`` (lower-left ``-T22 a21 T11``): whole batches of small matrices at once, far ahead of
+    torch's batched ``solve_triangular``."""
     size = a.shape[-1]
     b = min(block, size)
     nb = -(-size // b)

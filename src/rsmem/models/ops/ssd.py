@@ -112,7 +112,7 @@ def ssd_chunked_at_(
 
     With the C++ kernels on (see :func:`rsmem.kernels.build.prompt_ops`), the scan runs token by token in C++
     as llama.cpp's ``ssm_scan`` does (``csrc/ssd_scan.cpp``: H * P * N multiply-adds a token, the state in
-    cache; 2-4x the chunked form on the 130M and embedded models' shapes); otherwise, and as its twin's
+    cache, ahead of the chunked form at these models' shapes); otherwise, and as its twin's
     check, the chunked form below.
 
     Inside a chunk, outputs are ``(C B^T o L) (x dt)`` with ``L[l, s] = exp(sum_{s<k<=l} dt_k A)``; chunk

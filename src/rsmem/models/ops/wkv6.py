@@ -78,8 +78,8 @@ def wkv6_intra(
 
 Intra = Callable[..., tuple[torch.Tensor, ...]]
 # bytes of chunk-initial states :func:`wkv6_chunked_` keeps at once (a group of chunks; one sequence of 12
-# heads of 64 holds 192 KiB a chunk). Small: a 12 MiB group (a whole 512-token prompt) made each state's
-# copy into it ~25x slower in the model (fresh pages, its heads 1 MiB apart) than 2 MiB groups
+# heads of 64 holds 192 KiB a chunk). Small: a group as large as a whole prompt makes each state's copy
+# into it land on fresh pages with its heads far apart, much slower than into a group that stays in cache
 STATES_BYTES = 2 << 20
 
 
@@ -110,7 +110,7 @@ def wkv6_chunked_(
     )  # [Bs, H, C, T, V], [Bs, H, C, T, K], [Bs, H, C, K], [Bs, H, C, K, V]
     # The chunks' initial states do not depend on r: the loop only decays and adds (elementwise, on one
     # thread for a few sequences), and the chunks' reads of them are products over many chunks at once
-    # (a [T, K] x [K, V] product a chunk, one at a time, took ~0.3 ms each: 64 a layer for 512 tokens)
+    # (one [T, K] x [K, V] product a chunk at a time would pay a call's overhead for each)
     ys = []
     group = max(1, STATES_BYTES // max(1, state.numel() * state.element_size()))
     for c0 in range(0, n_chunks, group):
@@ -136,8 +136,8 @@ def wkv6_prefill_(
     intra: Intra | None = None,
 ) -> torch.Tensor:
     """:func:`wkv6_chunked_`'s contract, through the C++ scan (``rsmem_native::wkv6_scan``,
-    ``kernels/csrc/wkv_scan.cpp``; 512 tokens of 12 heads of 64, 2 threads: ~2 ms a layer against the
-    chunked kernel's ~21) where the kernels are loaded (:func:`~rsmem.models.ops.wkv.scan_ops`), else
+    ``kernels/csrc/wkv_scan.cpp``, ahead of the chunked
+    kernel) where the kernels are loaded (:func:`~rsmem.models.ops.wkv.scan_ops`), else
     through the chunked kernel (``chunk_size``, ``intra``)."""
     ops = scan_ops(state, r, log_w, k, v, u)
     if ops is not None:

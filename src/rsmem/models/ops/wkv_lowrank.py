@@ -3,11 +3,11 @@ gate mixers: ``[Bs, C] x [C, 32..160]`` and back) on the calling thread only, an
 inverse (:func:`unit_lower_inverse_one_thread`, its chunked prefill; the loop over the chunks runs under
 :func:`rsmem.threads.one_thread_below`).
 
-Each such product is ~0.1 ms of one core at 64 sequences, but torch's GEMM hands it to every intra-op
+Each such product is a small fraction of a step's work, but torch's GEMM hands it to every intra-op
 thread: two parallel regions a call, each waking the sleeping partner thread and waiting for it at the end
 (``OMP_WAIT_POLICY=PASSIVE``, :mod:`rsmem.threads`). RWKV-7 130M has 94 of them a step (plus the bias
-``addmm`` copies), 2 threads: 4 voluntary context switches a call, ~470 of the step's ~630; on a loaded
-machine each hand-off waits for the scheduler. :func:`matmul_one_thread` runs ``a @ b`` with torch's thread
+``addmm`` copies), so these hand-offs make most of the step's context switches; on a loaded machine each
+hand-off waits for the scheduler. :func:`matmul_one_thread` runs ``a @ b`` with torch's thread
 count set to one around it (an op that compiled steps call as it is, so inductor fuses the bias and
 activations around it instead of emitting ``addmm``); its reference twin is ``a @ b``.
 
@@ -44,8 +44,8 @@ def lowrank(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def unit_lower_inverse_one_thread(a: torch.Tensor) -> torch.Tensor:
     """``(I - a)^-1`` of strictly lower-triangular ``a`` ``[B, T, T]`` (``torch.linalg.solve_triangular``,
     its reference twin) on the calling thread: the batched solve hands each small system to the intra-op
-    threads, and with them sleeping between regions (``OMP_WAIT_POLICY=PASSIVE``) 192 systems of 32 took
-    12 ms on 2 threads against 0.8 ms on one (RWKV-7's chunked prefill: one call a layer)."""
+    threads, and with them sleeping between regions (``OMP_WAIT_POLICY=PASSIVE``) waking them costs far more
+    than the solves (RWKV-7's chunked prefill: one call a layer)."""
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
     with one_thread_below(0, 1):
         return torch.linalg.solve_triangular(eye - a, eye.expand_as(a), upper=False, unitriangular=True)

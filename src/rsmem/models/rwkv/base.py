@@ -174,7 +174,7 @@ class RwkvModelBase:
         if self.compile_decode and not self._steps_made:
             self._head_one = self.one_operand(self.lm_head)
             self.make_compiled_steps()
-            # each layer's weights as the steps take them (made once: building them costs ~1 ms a step)
+            # each layer's weights as the steps take them (made once: too costly to build every step)
             self._fields_one = [self.step_fields(ly, self.one_operand) for ly in self.layers]
             self._fields_many = [self.step_fields(ly, self.rows_operand) for ly in self.layers]
             self._head_many = self.rows_operand(self.lm_head)

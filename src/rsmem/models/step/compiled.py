@@ -3,9 +3,9 @@
 A decode step is dozens of tiny ops per layer; eagerly their dispatch costs as much as the arithmetic, and a
 one-sequence step spends most of its time streaming weights. The functions of
 :mod:`rsmem.models.step.fused` compiled by inductor make a few C++ kernels of them (a one-sequence token is
-one compiled call: every block and the head): on the 130M
-models (``bench/throughput.py``) one-sequence decode runs ~1.3x faster, 64 sequences of Mamba-2 ~1.25x, and
-Mamba prefill, through compiled scan blocks, ~2x.
+one compiled call: every block and the head), which makes
+decode of one or many sequences and Mamba's prefill (through compiled scan blocks) faster than eager
+(``bench/throughput.py`` compares them).
 
 Policy (``compile=`` of :func:`rsmem.load_model`, else the ``RSMEM_COMPILE`` environment variable):
 ``"auto"`` (the default) compiles for CPU models with at least ``AUTO_MIN_WEIGHTS`` matrix weights when a
@@ -45,22 +45,22 @@ AUTO_MIN_WEIGHTS = 16 << 20
 # (one sequence, a dynamic batch), and tests or a server may hold several models.
 RECOMPILE_LIMIT = 64
 # Inductor options for rsmem's steps. The whole one-sequence step has ~270 inputs and ~200 intermediate
-# buffers: the generated Python wrapper's checks of each input's size and alignment cost ~0.3 ms a token,
-# and dynamo's guards already check shapes and strides before the call.
+# buffers: the generated Python wrapper's checks of each input's size and alignment are a visible part of
+# a token's time, and dynamo's guards already check shapes and strides before the call.
 INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 # Mamba-2's and the hybrids' decode steps keep their glue (norms, the short convolution, gates, SwiGLU:
 # [Bs, <= 3d]) on the calling thread: inductor runs a kernel on one thread when each thread's share would
 # be under this many elements (its default is 512). A parallel region over a few thousand elements costs
-# more in its hand-off than it saves, and on a shared machine the other thread may wait for a core (rsmem
-# serve at -t 2 beside its own client: the compiled step's barriers were most of the engine thread's
-# samples). The products (their own kernels) and Mamba-2's state update ([Bs, H, P, N]: 32,768 a sequence
+# more in its hand-off than it saves, and on a shared machine the other thread may wait for a core (a server
+# beside its own client then spends most of its engine thread's time in the compiled step's barriers).
+# The products (their own kernels) and Mamba-2's state update ([Bs, H, P, N]: 32,768 a sequence
 # in the embedded model, 196,608 at 130M) stay parallel.
 GLUE_MIN_CHUNK = 1 << 16
 
 # A step whose products all run on rsmem's own workers (the few-row kernel: kernels/csrc/pool.h) keeps every
 # inductor kernel on the calling thread, Mamba-2's state update included: each parallel region of inductor's
-# would wake torch's sleeping OpenMP thread. Mamba / Mamba-2 130M one-sequence step, 7 interleaved rounds,
-# quiet, against inductor's reductions and parallel glue: 0.76 / 0.79.
+# would wake torch's sleeping OpenMP thread, which costs a one-sequence step more than the parallel
+# glue and reductions save.
 ONE_THREAD_GLUE = {"cpp.min_chunk_size": 1 << 24}
 
 CompileSetting = bool | str | None

@@ -6,13 +6,13 @@ is chosen for what inductor makes of them on a CPU:
 
 - :func:`gemv` writes a one-row product as multiply-and-sum, which inductor turns into one reduction kernel
   streaming the ``[out, in]`` matrix on every core. A one-sequence decode step is bound by reading the
-  weights; this kernel reads them as fast as oneDNN's product (~30 GB/s here), inside the layer's kernel,
+  weights; this kernel reads them as fast as oneDNN's product, inside the layer's kernel,
   with no call per matrix.
 - The state updates never read the new state back: the output ``y_t = C_t . h_t`` is expanded into
   ``C_t . (dA h_{t-1}) + (C_t . B_t) dt_t x_t``, a reduction over the *old* state that inductor fuses with
   the in-place store of the new one. Each state row is then read from memory once and written once per
   step (the form that reduces over ``h_t`` stores it to a temporary, writes it again, and reads it back:
-  ~3x slower at 64 sequences of Mamba-2).
+  three passes over memory instead of one).
 - :func:`token_step` chains the one-sequence blocks and the head into one function: one compiled call a
   token. :func:`token_step_many` does the same for several sequences (one token each), its products
   :func:`matmul_rows` (an extern GEMM call inside the compiled code), with a dynamic batch size.
@@ -95,7 +95,7 @@ Product = Callable[[torch.Tensor, Any], torch.Tensor]  # gemv (a Matrix) or matm
 
 def matmul_rows(x: torch.Tensor, weight: RowsOperand) -> torch.Tensor:
     """``x @ weight.T`` for several rows ``x`` ``[Bs, in]`` and ``weight`` ``[out, in]``, float32. A
-    :class:`Packed` matrix goes through ``rsmem::packed_linear`` (1.3-2.7x the plain GEMM for 4-64 rows), a
+    :class:`Packed` matrix goes through ``rsmem::packed_linear`` (ahead of the plain GEMM for 4-64 rows), a
     :class:`SmallRows` through the few-row kernel or its packed twin by the row count; a
     plain one is a GEMM; a bf16 ``weight`` multiplies ``x`` rounded to bf16, as
     :func:`~rsmem.models.ops.common.linear` does; a :class:`~rsmem.models.ops.quantized.QuantMatrix` goes to
@@ -168,7 +168,7 @@ def mamba_layer_(
     xc = conv_step_(xz[:, :d_inner], window, conv_weight, conv_bias)
     dt_low, B, C = product(xc, x_proj).split([dt_rank, d_state, d_state], dim=-1)
     # dt_proj [D, R] through ``product`` too: for one sequence a reduction on the calling thread (an
-    # extern GEMM here woke torch's sleeping OpenMP threads, ~0.14 ms a layer)
+    # extern GEMM here would wake torch's sleeping OpenMP threads for a tiny product)
     dt = F.softplus(product(dt_low, dt_proj) + dt_bias)
     y = mamba_ssm_step_(dt, B, C, xc, xz[:, d_inner:], A, D, h)
     return x + product(y, out_proj)
@@ -196,7 +196,7 @@ def mamba_scan_block(
     ``[Bs, T, D]``, ``B``, ``C`` ``[Bs, T, N]``; returns ``(y [Bs, T, D] without the D skip, new h)``.
 
     Unlike the chunked scan's cumulative sums this costs the same whatever the decay: random-weight
-    models, whose large ``dt`` cut the chunked scan's chunks to one or two tokens, run ~6x faster."""
+    models, whose large ``dt`` cut the chunked scan's chunks to one or two tokens, gain the most."""
     ys = []
     for t in range(dt.shape[1]):
         h = h * torch.exp(dt[:, t, :, None] * A) + (dt[:, t] * x[:, t]).unsqueeze(-1) * B[:, t, None, :]
@@ -351,8 +351,8 @@ def token_step(
 ) -> Callable[..., torch.Tensor]:
     """A whole one-sequence decode step as one function, ``(x, norm_f, lm_head, eps, *flat) -> logits``:
     ``layer_one`` over each layer's ``n_fields`` tensors of ``flat`` (then ``consts``), the final norm and
-    the head. Compiled, it is one call a token instead of one a layer: the ~25 us each call costs in
-    dynamo and Python is ~5-9% of a 130M model's token on this machine."""
+    the head. Compiled, it is one call a token instead of one a layer: what each call costs in
+    dynamo and Python is a visible share of a 130M model's token."""
 
     def token_step_one(
         x: torch.Tensor, norm_f: torch.Tensor, lm_head: torch.Tensor, eps: float, *flat: torch.Tensor

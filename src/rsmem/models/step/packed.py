@@ -1,12 +1,12 @@
 """oneDNN copies of the float32 matrices: a packed twin for products of several rows (batched decode,
 prefill) and, for one row (single-sequence decode), the plain ``[out, in]`` matrix itself.
 
-Measured on this machine kind (torch 2.13, f32, 2 threads): oneDNN's blocked weights multiply 8 to 512
-rows 1.3-2.5x faster than MKL's plain ``matmul``. For one row MKL's product runs on one core (~22 GB/s of
-weights on this machine) while oneDNN's, on the plain ``[out, in]`` matrix, uses both (~30 GB/s; the packed
-twin is slower there): models with packing hold their matrices ``[out, in]`` contiguous and pass their
-``[in, out]`` transposed views (see :func:`held_matrix`), so the one-row path costs no extra copy. A packed
-copy doubles those matrices' memory; ``RSMEM_ONEDNN=0`` in the environment turns packing off.
+oneDNN's blocked weights multiply 8 to 512 float32 rows faster than MKL's plain ``matmul``. For one row MKL's
+product runs on one core, which cannot saturate memory bandwidth, while oneDNN's, on the plain ``[out, in]``
+matrix, uses every core (the packed twin is slower there): models with packing hold their matrices
+``[out, in]`` contiguous and pass their ``[in, out]`` transposed views (see :func:`held_matrix`), so the
+one-row path costs no extra copy. A packed copy doubles those matrices' memory; ``RSMEM_ONEDNN=0`` in the
+environment turns packing off.
 
 One-sequence decode steps of large models do not come here: :mod:`rsmem.models.step.compiled` runs them as
 compiled reductions (:func:`rsmem.models.step.fused.gemv`), faster still.
@@ -112,7 +112,7 @@ class HeldMatrices:
     def on_huge_pages(self, weights: Sequence[Any]) -> list[Any]:
         """``weights`` (``[out, in]`` matrices, None or quantized ones among them) with the tensors widened to
         float32 and put on one huge-page mapping (:func:`~rsmem.hugepages.huge_page_matrices`: a decode step
-        streams every matrix, 5-7% faster from 2 MiB pages) when :meth:`hold` keeps them as they are (float32
+        streams every matrix, faster from 2 MiB pages) when :meth:`hold` keeps them as they are (float32
         with packing: :func:`held_matrix`); as they are otherwise, where :meth:`hold` copies them anyway."""
         if self.dtype != torch.float32 or not self.packing:
             return list(weights)

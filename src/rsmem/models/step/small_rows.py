@@ -1,12 +1,11 @@
 """Products of a few float32 rows with a model's ``[out, in]`` matrix through the C++ kernel
 ``csrc/rows_f32.cpp`` (``rsmem_native::rows_f32``), for batched decode steps of 2-16 sequences.
 
-At 8 rows oneDNN's packed product reads the weights at ~9 GB/s on this machine kind (one thread, a loaded
-machine), under half the one-row rate; the kernel streams the weights once with every row's inner
-products in registers and prefetches ahead, 12.5-15 GB/s at 8 rows and 17-18.5 at 4 (figures in the
-commit that added it). Beyond 16 rows oneDNN's blocked product is faster, so :class:`SmallRows` carries both
-the plain matrix and its packed twin and ``rsmem_native::rows_linear`` picks by the row count inside one
-op (a compiled step with a dynamic batch needs no guard on it).
+At a few rows oneDNN's packed product reads the weights at under half the one-row rate; the kernel streams the
+weights once with every row's inner products in registers and prefetches ahead, so a few rows cost little more
+than one. Beyond 16 rows oneDNN's blocked product is faster, so :class:`SmallRows` carries both the plain
+matrix and its packed twin and ``rsmem_native::rows_linear`` picks by the row count inside one op (a compiled
+step with a dynamic batch needs no guard on it).
 
 - :func:`rows_ref`: the plain reference twin, ``x @ w.t()``.
 - :func:`rows_f32`: the kernel when the native kernels are built (:func:`~rsmem.kernels.build.native_ops`),

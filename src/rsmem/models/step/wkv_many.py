@@ -12,8 +12,7 @@ WKV state ``[Bs, H, N, N]``, both updated in place), with ``x`` ``[Bs, C]`` the 
 the big matrices (and ``lm_head``) as :func:`~rsmem.models.step.small_rows.rows_operand` gives them; they
 return the logits ``[Bs, n_vocab]``. Before, the batched RWKV-7 step ran its products eagerly and three
 compiled functions a layer between them (36 compiled calls a step, each paying dynamo's guards and Python's
-dispatch): 8 sequences of the 130M model took 72-81 ms of thread CPU a step that way, 61-66 ms as one
-call (one thread).
+dispatch); one call a step pays that once.
 
 The state updates read each state once: both reductions use the old state and inductor fuses them with the
 in-place store of the new one (see :mod:`rsmem.models.step.fused`).
@@ -35,10 +34,9 @@ from rsmem.models.step.wkv_fused import DECAY_SCALE, GROUP_NORM_EPS, N6_PER_LAYE
 # parallel only when each thread's share is at least 2^24 elements at the batch it compiled with; inductor's
 # default is 512), so the glue between the products and the WKV state updates run where they are, with no
 # hand-off to a sleeping second thread; only the big products (matmul_rows) and nothing else use every thread
-# (the low-rank ones run on one: ops.wkv_lowrank). 2^16 (the glue on one thread, the state updates of 8+
-# sequences on two) took RWKV-7 130M from 876 to 562 voluntary context switches a step at 8 sequences, 945 to
-# 632 at 64 (2 threads); 2^24 with the one-thread low-rank products, 64 sequences, load 5-7: 630 -> 148
-# (RWKV-6: 196), thread CPU unchanged (~215 ms a step; the state updates ~12 ms more on the calling thread).
+# (the low-rank ones run on one: ops.wkv_lowrank). Every kernel on the calling thread, with the one-thread
+# low-rank products, removes most of a step's voluntary context switches (each a wait for the scheduler on a
+# loaded machine) and costs no CPU time overall.
 MANY_OPTIONS = ONE_THREAD_GLUE  # the one setting for "every inductor kernel on the calling thread"
 
 
@@ -75,7 +73,7 @@ def _rwkv7_wkv_many(
     rh, kh, vh, wh = r.view(heads), k.view(heads), v.view(heads), w.view(heads)
     b = kk * a.view(heads)
     # both reductions read the old state (y = S (w r) + sa (b . r) + v (k . r)): the new one is not read
-    # back (4.4 ms against 4.9 for the form that reads it, 64 sequences of the 130M model, one thread)
+    # back, which saves a pass over every state
     sa = (wkv * (-kk).unsqueeze(-2)).sum(-1)  # [Bs, H, V]
     y = (wkv * (wh * rh).unsqueeze(-2)).sum(-1) + sa * (b * rh).sum(-1, keepdim=True)
     y = y + vh * (kh * rh).sum(-1, keepdim=True)
