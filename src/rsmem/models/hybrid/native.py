@@ -1,8 +1,8 @@
 """A hybrid model's decode step (one token of each of up to :data:`MAX_ROWS` sequences) as one C++ op,
 ``rsmem_native::hybrid_step`` (``kernels/csrc/hybrid_step.cpp``), checked before use.
 
-The compiled chains (:mod:`rsmem.models.hybrid.chains`) stream the same products, but a token of the 130M
-LFM2 paid ~7 ms beside ~22 ms of products: a compiled call per stretch between attention layers (dynamo's
+The compiled chains (:mod:`rsmem.models.hybrid.chains`) stream the same products, but around them a token
+pays a large share of its time for a compiled call per stretch between attention layers (dynamo's
 guards, the wrappers), and between them the KV cache's store and attention in Python (SDPA's parallel region
 for one query wakes torch's sleeping OpenMP thread). The op runs the whole token: a model describes its step
 once as a list of :class:`NativeBlock` (residual blocks of the kinds the op knows: LFM2's short convolution,

@@ -87,9 +87,8 @@ class Mamba2Model(MambaFamilyModel):
 
     arch = "mamba2"
     matrices = ("in_proj", "out_proj")
-    # the glue on the calling thread: rsmem serve -t 2, embedded model, (b)-like load: wall 1.89-2.18 ->
-    # 1.35-1.71 s; 130M decode x1/x8/x64 unchanged within noise. Mamba keeps inductor's default: its 130M
-    # x64 step took 62.6 -> 70-78 ms with this threshold (its batched scan kernels then ran on one thread)
+    # the glue on the calling thread: a loaded server gains, and no decode loses. Mamba keeps inductor's
+    # default: with this threshold its batched scan kernels would run on one thread and its wide steps slow
     glue_min_chunk = GLUE_MIN_CHUNK
 
     def __init__(

@@ -2,14 +2,14 @@
 (``kernels/csrc/mamba_step.cpp``, ``mamba2_step.cpp``).
 
 The compiled step (:func:`~rsmem.models.step.fused.token_step` under inductor) streams the weights through
-the same product kernels, but around them a token of the 130M Mamba-2 model paid ~2 ms in the generated
-Python wrapper (~100 buffers and calls), ~0.5 ms in dynamo's guards on ~270 inputs and ~2.3 ms in the
-mixer's kernel on one thread. ``rsmem_native::mamba2_step`` (``mamba_step``) is the whole token in
+the same product kernels, but around them a token pays for the generated Python wrapper (~100 buffers
+and calls), dynamo's guards on ~270 inputs and the mixer's kernel on one thread, together a large share of
+a small model's token. ``rsmem_native::mamba2_step`` (``mamba_step``) is the whole token in
 one call: the pre-norms, the products (the few-row kernel for float32 ``[out, in]`` rows,
 ``rsmem_native::qmatmul`` for blocks), the mixer with its state update shared between rsmem's product
 workers, the residual, the final norm and the head. It takes up to :data:`MAX_ROWS` sequences at once
-(each a row of the activations and of the states): at 8 sequences the compiled step of the 130M Mamba
-Q4_K_M spent ~17% of its time waking torch's OpenMP threads for inductor's mixer kernels.
+(each a row of the activations and of the states): a batched compiled step also wakes torch's OpenMP
+threads for inductor's mixer kernels, which this op's own workers never do.
 
 :class:`NativeStep` takes a model's matrices as they are (no copy); :meth:`NativeStep.__call__` has the
 compiled step's arguments. Its first call runs the op and the eager twin (the compiled step's own function)
@@ -39,38 +39,33 @@ from rsmem.models.step.packed import PACK_ROWS
 # relative to their largest magnitude; a wrong layout or operand gives differences of order 1. With float
 # matrices the op and the twin differ only in summation order; quantized matrices' int8 routes quantize the
 # activations (llama.cpp's Q8_K), so a difference in a last bit can move a value to the next integer step.
-# The 130M random Mamba and Mamba-2 files, f32, Q8_0 and Q4_K_M: at most 1.5e-6.
+# Both bounds sit far above the differences seen on the 130M random Mamba and Mamba-2 files.
 CHECK_TOLERANCE = 1e-4
 QUANTIZED_CHECK_TOLERANCE = 1e-2
 # Sequences up to which the op runs (more take the compiled step). Float32 products go through the few-row
-# kernel, from PACKED_FROM_ROWS rows through oneDNN's packed twins (at::mm before stop 21).
-# bench/native_step.py, 3 rounds, compiled / C++ ms a step (at::mm then): Mamba-2 130M f32 1.28 at 64
-# sequences, 1.35 at 128, Q4_K_M 1.46 at 64; Mamba f32 1.01 at 64 and 0.99 at 128 (its compiled mixer was
-# already cheap; Mamba-2's is most of a wide step).
+# kernel, from PACKED_FROM_ROWS rows through oneDNN's packed twins. Up to this many the op is ahead of
+# the compiled step (bench/native_step.py compares them), most of all for Mamba-2, whose compiled mixer is
+# most of a wide step.
 MAX_ROWS = 128
 # qtype of a float32 matrix given as its oneDNN packed twin (csrc/step_common.h's kPackedF32)
 PACKED_F32 = -2
 # qtypes whose products keep float32 activations: float32 rows (-1), packed float32, F16, BF16
 FLOAT_QTYPES = (-1, PACKED_F32, int(gguf.GGMLQuantizationType.F16), int(gguf.GGMLQuantizationType.BF16))
 # Rows from which a step takes float32 matrices as their oneDNN packed twins (fewer: the few-row kernel on
-# the plain rows). The 130M RWKV-7's 73 matrices, 2 threads, weights cold as in a step, 5 interleaved
-# rounds, few-row kernel / packed time: 0.78 at 24 rows, 0.82 at 32, 0.91 at 48, 0.98 at 64, 1.04 at 96
-# (at::mm on the plain matrix, which repacked the weights on every call, was slower than both).
+# the plain rows): the few-row kernel, streaming cold weights once, stays ahead up to 64 rows, the packed
+# product's blocking beyond (at::mm on the plain matrix repacks the weights on every call: behind both).
 PACKED_FROM_ROWS = 65
-# ... and the head alone from this many (a [65536, 768] head by itself at 64 rows: 26.8 ms packed, 32.2
-# the few-row kernel; within the step, whose other products stay on rsmem's workers, oneDNN's threads
-# waking for it keep less: RWKV-7 step at 64 rows 0.980 and 0.986 of the time with the kernel's head (20
-# and 40 interleaved rounds), RWKV-6 0.980; at 48 rows 1.006, at 32 1.009)
+# ... and the head alone from this many: within the step, whose other products stay on rsmem's workers,
+# waking oneDNN's threads for the head takes back part of what packing gains, which pays off from 64 rows
+# and not below
 PACKED_HEAD_FROM_ROWS = 64
 # qtype of a float32 matrix whose products run through oneDNN packed slices of its rows, one slice a range of
 # rsmem's workers on one OpenMP thread each (csrc/step_common.h's kSlicedF32), for ops made with
 # ``sliced=True`` (RWKV-6 and RWKV-7) ...
 SLICED_F32 = -3
-# ... from this many rows (and up to MAX_ROWS), every float32 matrix and the head. The random 130M RWKV-7's
-# decode step, 2 threads, interleaved rounds in one process, time sliced / before (the few-row kernel, the
-# head packed from 64 rows): 1.14-1.18 at 8 rows, 0.99-1.01 at 16, 0.94 at 32, 0.91 at 48, 0.92-0.94 at 64;
-# RWKV-6 0.96 at 32, 0.94 at 64. (Standalone, over the 72 layer matrices alone with their weights in the
-# heap, the slices took 0.5-0.6 of the kernel's time from 16 rows: not what the step sees.)
+# ... from this many rows (and up to MAX_ROWS), every float32 matrix and the head: within a step the
+# slices are behind the few-row kernel at 8 rows, even at 16 and ahead from 32 (the matrices alone, outside
+# a step, favour the slices earlier: only the step's own timing decides).
 SLICED_FROM_ROWS = 32
 
 

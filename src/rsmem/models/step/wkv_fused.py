@@ -29,8 +29,8 @@ DECAY_SCALE = 0.606531
 
 def one_row(x: torch.Tensor, weight: torch.Tensor | SmallRows) -> torch.Tensor:
     """A big matrix's product with one row ``x`` ``[1, in]``: through the C++ few-row kernel when ``weight``
-    is a :class:`~rsmem.models.step.fused.SmallRows` (it streams the weights 1.35-1.7x as fast as inductor's
-    reduction: one thread, 130M shapes, 15.4 -> 20.9 GB/s at [768, 768], 17.4 -> 22.2 at the head), else
+    is a :class:`~rsmem.models.step.fused.SmallRows` (it streams the weights faster than inductor's
+    reduction: it prefetches ahead and keeps the sums in registers), else
     as :func:`~rsmem.models.step.fused.gemv` (an ``[out, in]`` matrix, fused by inductor)."""
     return matmul_rows(x, weight) if isinstance(weight, SmallRows) else gemv(x, weight)
 
