@@ -4,8 +4,7 @@ Mamba-2, 19 MB of state) from memory, and does so faster from 2 MiB pages.
 With 4 KiB pages a 500 MB model spans 125k pages: the hardware prefetchers stop at every page boundary and
 the TLB misses on each. Linux backs anonymous memory with 2 MiB pages only where asked
 (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` on many machines, including this project's),
-and torch's allocator does not ask. Measured here (torch 2.13, 2 threads): a compiled one-row product over
-in_proj-sized matrices reads ~29 GB/s from 4 KiB pages and ~31 GB/s from huge pages, 5-7% more.
+and torch's allocator does not ask, so a one-row product streams its matrices slower than it could.
 
 The matrices are copied into one anonymous ``mmap`` (64-byte aligned one after another, so small models
 waste nothing) advised ``MADV_HUGEPAGE`` before first touch; the tensors keep the mapping alive. Where the

@@ -4,9 +4,8 @@ A model step allocates the same few activation tensors again and again (a 512-to
 embedded model: tensors of 1-3 MiB). glibc's malloc serves blocks above its mmap threshold with a fresh
 ``mmap`` and gives them back on ``free``; its threshold rises to the largest block freed, and the top of
 the heap is handed back to the system whenever more than twice that lies free there. Either way the next
-step's tensors land on pages the kernel must fault in and zero again: measured here, 512-token chunks of
-the embedded model took 1,000-3,500 minor page faults each and 512-token pieces of a 1,024-token prompt ran
-1.15-1.3x slower than 256-token ones, which faulted nothing.
+step's tensors land on pages the kernel must fault in and zero again, thousands of minor page faults a
+chunk, and a step that faults its tensors in runs slower than one that reuses the pages it freed.
 
 ``import rsmem`` therefore fixes glibc's thresholds (``mallopt``): blocks up to :data:`MMAP_THRESHOLD`
 come from the heap, and up to :data:`TRIM_THRESHOLD` of free heap top stays with the process. The cost is
@@ -70,7 +69,8 @@ def release_freed() -> bool:
     """Hand the process's freed heap memory back to the system now (glibc's ``malloc_trim(0)``, which also
     releases whole free pages inside the heap, not only at its top). For after a model's load: the models
     copy the loader's matrices onto huge pages (:mod:`rsmem.hugepages`) and drop them, and with the kept
-    thresholds those blocks (up to :data:`MMAP_THRESHOLD` each) stay resident: ~300 MB of a 130M RWKV-7's.
+    thresholds those blocks (up to :data:`MMAP_THRESHOLD` each) stay resident, a large share of a small
+    model's weights.
     False where there is no glibc ``malloc_trim``."""
     try:
         malloc_trim = ctypes.CDLL(None).malloc_trim

@@ -151,7 +151,7 @@ def prepare_openmp_environment() -> WaitPolicy:
 def restore_openmp_environment(policy: WaitPolicy) -> None:
     """Take back what :func:`prepare_openmp_environment` put into ``os.environ`` once torch (and with it
     libgomp, which read it) has loaded: the policy is rsmem's, for its own process; the programs it or its
-    user start keep theirs (a llama.cpp started from a process that imported rsmem inherited sleeping
-    threads and ran its quiet steps up to 1.7x slower here)."""
+    user start keep theirs (a llama.cpp started from a process that imported rsmem would inherit sleeping
+    threads and run its quiet steps slower)."""
     if policy == "passive" and "torch" in sys.modules:
         os.environ.pop("OMP_WAIT_POLICY", None)

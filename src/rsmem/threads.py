@@ -2,38 +2,35 @@
 
 **Wait policy.** torch's OpenMP (libgomp) threads spin after each parallel region, waiting for the next
 one. On a machine where another process wants the same cores, a spinning thread holds a core its partner
-needs, so every parallel region waits for the scheduler: on a 2-core machine with one busy neighbour the
-embedded model's steps took 9-86x longer with torch's defaults than with idle threads that sleep
-(README's benchmark section). ``import rsmem`` therefore sets ``OMP_WAIT_POLICY=PASSIVE`` before torch
+needs, so every parallel region waits for the scheduler, and a small model's steps take many times longer
+than with idle threads that sleep. ``import rsmem`` therefore sets ``OMP_WAIT_POLICY=PASSIVE`` before torch
 loads, unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` or ``RSMEM_OMP_PASSIVE=0``
 (:func:`rsmem.settings.prepare_openmp_environment`). libgomp reads the variable once, when torch is
 first imported: a program that imports torch before rsmem keeps torch's spinning default (:func:`wait_policy`
 says ``"too late"``) and should set ``OMP_WAIT_POLICY=PASSIVE`` in its environment, or import rsmem first.
 
-**Threads by the work.** With idle threads that sleep, a second thread paid off for every model and row
-measured here, busy or not, even the embedded model's 8-token chunks (figures in the README's benchmark
-section; ``bench/threads.py`` repeats them): under contention a process with two runnable threads also gets
-two shares of the scheduler. With spinning threads (torch imported before rsmem, or the user's own
-spinning policy) a small model's products are too small to repay a hand-off that may wait for a whole
-scheduler slice, and one thread was 5-24x faster than two on the embedded model. So :func:`auto_threads`
+**Threads by the work.** With idle threads that sleep, a second thread pays off for every model and batch
+size, busy or not, even the embedded model's 8-token chunks (``bench/threads.py`` compares them): under
+contention a process with two runnable threads also gets two shares of the scheduler. With spinning threads
+(torch imported before rsmem, or the user's own spinning policy) a small model's products are too small to
+repay a hand-off that may wait for a whole scheduler slice, so one thread beats two. So :func:`auto_threads`
 gives all cores (torch's default count at import) when OpenMP waits passively, and otherwise one thread to
 models narrower than :data:`SMALL_MODEL_WIDTH`. :func:`use_threads` applies it when a model loads
 (``rsmem.load_model``, the command line); ``threads=`` / ``-t`` / ``RSMEM_THREADS`` override. The count is
 process-wide (``torch.set_num_threads``): the last model loaded sets it. Choosing per call instead
-(``set_num_threads`` around small batches) would be cheap -- 0.1-0.2 us a call, and alternating 1 and 2
-threads around a small product cost nothing measurable with sleeping threads -- but it belongs in the
-models' step code, and with sleeping threads no row measured here would have chosen one thread.
+(``set_num_threads`` around small batches) would be cheap, also when it alternates around small products with
+sleeping threads, but it belongs in the models' step code, and with sleeping threads no batch size would
+choose one thread.
 
 **Prompts beside a busy process.** torch splits a prompt's products statically between its threads, so a
-parallel region ends with the thread that shares its core with the neighbour: with two threads on two
-cores and one busy process, the Mamba-2 130M f32 prefill kept 53% of its quiet speed, what one thread
-alone gets. While another process's thread is runnable (``/proc/loadavg``: read in ~10 us, one runnable
-entity on this machine quiet, two beside one busy process, in 99% of 2,000 samples) :func:`prompt_threads`
-gives a prompt's micro-batch twice the cores in threads, so each core holds two of rsmem's threads and
-the scheduler's fair share goes to rsmem twice: 638 against 571 tokens/s beside the busy process (4
-interleaved rounds, a process each), where four threads all the time would have cost 4% on a quiet machine
-(998 against 1,044). Only with the automatic count and sleeping threads; ``RSMEM_BUSY_THREADS=0`` turns it
-off. Compiled functions inside the block run at the count before the raise
+parallel region ends with the thread that shares its core with the neighbour: with one thread a core and one
+busy process, a prefill runs at the speed of one thread alone. While another process's thread is runnable
+(``/proc/loadavg``, cheap to read: its runnable count is one on a quiet machine and two beside one busy
+process) :func:`prompt_threads` gives a prompt's micro-batch twice the cores in threads, so each core holds
+two of rsmem's threads and the scheduler's fair share goes to rsmem twice; the extra threads would cost a
+quiet machine some speed, so they come only beside a neighbour. Only with the automatic count and sleeping
+threads; ``RSMEM_BUSY_THREADS=0`` turns it off. Compiled functions inside the block run at the count before
+the raise
 (:func:`unraised_threads`: dynamo guards on the count).
 
 **The decode products** do not use torch's threads: rsmem's own workers (``kernels/csrc/pool.h``) share
@@ -56,9 +53,9 @@ if TYPE_CHECKING:
 _WAIT_POLICY = settings.prepare_openmp_environment()
 _PASSIVE = settings.openmp_waits_passively()
 
-# with spinning OpenMP threads, models whose hidden size is below this run on one thread: the embedded
-# model (d_model 256) ran 5-24x faster on one thread than on two spinning ones here; the 130M configs
-# (d_model 768) are left on all cores, where a quiet machine gains from the second thread
+# with spinning OpenMP threads, models whose hidden size is below this run on one thread: at the embedded
+# model's width (d_model 256) one thread outruns two spinning ones; the 130M configs (d_model 768) are
+# left on all cores, where a quiet machine gains from the second thread
 SMALL_MODEL_WIDTH = 512
 
 _all_cores: int | None = None
@@ -158,8 +155,8 @@ def use_threads(model: RecurrentModel, threads: int | None = None) -> int:
 
 @contextmanager
 def one_thread_below(work: int, limit: int) -> Iterator[None]:
-    """torch's intra-op threads set to one while the block runs when ``work < limit`` (a process-wide
-    setting, restored after; 0.1-0.2 us a call): for small operations that a parallel region would hand to a
+    """torch's intra-op threads set to one while the block runs when ``work < limit`` (a process-wide setting,
+    restored after; cheap enough for every call): for small operations that a parallel region would hand to a
     sleeping partner thread for nothing. ``one_thread_below(0, 1)``: always."""
     with _threads_while(1 if work < limit else None):
         yield

@@ -102,7 +102,7 @@ def _load(args: argparse.Namespace, n_seq_max: int) -> LLM:
 
 
 def prepare_kernels(model: object) -> bool:
-    """For a server: load (or build, 30-55 s once per machine) the C++ kernels now when ``model``'s
+    """For a server: load (or build, slow but once per machine) the C++ kernels now when ``model``'s
     prompts will use them, so that no request waits for the build; whether they are loaded."""
     from rsmem.loaders.registry import ARCHS
 

@@ -11,8 +11,8 @@ files of another model are never looked at; a file in the folder whose header na
 layout is ignored all the same.
 
 - **Writing**: every checkpoint the cache keeps is serialised and written by one background thread
-  (serialising and writing the 2.8 MB state of a 130M Mamba took 22 ms here, a decode step's time;
-  the engine's thread now spends 2-3 ms on it, mostly waiting for the GIL), to a temporary file
+  (serialising and writing a state takes about a decode step's time, too long to hold the engine's
+  thread, which only hands the checkpoint over), to a temporary file
   renamed over its name once complete: a crash leaves a ``.tmp`` file, deleted at the next start, never
   a torn entry. No fsync: a file torn by a power cut fails its checksum and is dropped. Until its file
   is written an entry is served from the checkpoint waiting for it; deletions (evictions, corrupt

@@ -27,7 +27,7 @@ F32 = np.float32
 
 def _seq_sum(a: np.ndarray) -> np.ndarray:
     """Sum of ``a`` [n, groups] over its first axis, first to last element, in float32 (ggml's ``for``
-    loop; numpy's ``sum`` is pairwise, and ``add.accumulate`` is exact but 50x slower than this loop)."""
+    loop; numpy's ``sum`` is pairwise, and ``add.accumulate`` is exact but far slower than this loop)."""
     total = a[0].astype(np.float32, copy=True)
     for row in a[1:]:
         total += row

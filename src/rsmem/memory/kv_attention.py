@@ -225,10 +225,9 @@ class KVCacheContext:
 # queries a batch row at most for grouped_attention's direct products (more: SDPA's flash kernel)
 FEW_QUERIES = 16
 # keys a batch row (cells * KV heads * d_k) at most for grouped_attention to take SDPA's kernel with few
-# queries too: one op where the grouped products are a dozen, each a dispatch (one thread, 12 query / 4 KV
-# heads of 64: one token over 20 cells 49 -> 18 us, 8 gathered tokens over 17 cells 138 -> 61 us, over 300
-# 1.7 -> 0.6 ms; one token over 4,096 cells 1.7 ms grouped against 2.2 ms in SDPA, which reads each KV head
-# once per query head)
+# queries too: one op where the grouped products are a dozen, each a dispatch that outweighs the work over
+# few keys; over more, SDPA, which reads each KV head once per query head, costs more than the grouped
+# products
 SDPA_ROW_KEYS = 1 << 18
 
 
@@ -247,7 +246,7 @@ def grouped_attention(
 
     For a few queries a row (decode) the scores are two batched products over the grouped heads, each KV
     head read once for all the query heads that share it (SDPA's CPU kernel reads it once per query
-    head: at 4,096 cells, 12 query / 4 KV heads of 64, 2.2 ms against 6.1 ms a layer here). For more,
+    head, which over long contexts costs more than the two products). For more,
     ``scaled_dot_product_attention`` (which does not build the ``[n, m]`` scores of every head), as for few
     keys a row (:data:`SDPA_ROW_KEYS`), where one op costs less than the grouped products' dozen."""
     n_batch, n, n_head, d_k = q.shape
@@ -278,7 +277,7 @@ def grouped_attention(
 
 # keys read at most for grouped_attention's products to run on one thread: a few sequences' decode over
 # short contexts (one token over 20 cells, 4 KV heads of 64: 5,120) hands its small products to the other
-# thread for nothing (0.5 ms a product on the loaded machine, where the other thread waits for a core)
+# thread for nothing (on a loaded machine the other thread first waits for a core)
 ONE_THREAD_KV = 1 << 16
 
 

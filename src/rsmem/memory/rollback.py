@@ -22,21 +22,9 @@ K + 1 tokens) are not split. A cut whose replay was S tokens or more keeps its r
 So a sequence holds at most two snapshots after each step, a replay is at most ``2S + K - 3`` tokens
 (``S - 1`` after one-token decodes), and snapshot buffers no history holds are reused.
 
-Measured, 130M configs with random weights (``rsmem.models.mamba.random_init``), one sequence, f32, eager, on
-this machine (2 shared cores; minimum of repeated runs), K = 8, S = 16:
-
-| | Mamba (``mamba_130m``) | Mamba-2 (``mamba2_130m``) |
-|---|---|---|
-| state of a sequence | 2.8 MB | 19.4 MB |
-| history of a sequence (at most) | 5.6 MB + 45 token ids | 38.8 MB + 45 token ids |
-| snapshot copy; per token (one every 16) | 0.3-0.6 ms; 0.18 MB, 0.03 ms | 1.1-1.8 ms; 1.2 MB, 0.1 ms |
-| bookkeeping per decoded token, copies included | 0.06 ms | 0.13 ms |
-| decode step, K = 0 / K = 8 | 32.5 / 32.5 ms | 32.0 / 31.7 ms |
-| cut of 1..8 after one-token decodes (replay 1..15) | 25-68 ms | 28-62 ms |
-| replay of 1 / 8 / 23 tokens | 23 / 40 / 73 ms | 27 / 52 / 70 ms |
-| prefill of 64 / 512 tokens, K = 0 -> 8 | 190 -> 220 / 1239 -> 1284 ms | 132 -> 163 / 780 -> 798 ms |
-
-So decoding costs nothing measurable and a cut costs one to two decode steps. The alternative, per-token
+Costs: a sequence's history is at most two full states and the tokens decoded since; a snapshot is one
+state copy every S tokens, small beside S decode steps, so decoding pays next to nothing for the window,
+and a cut pays one replay, a forward over at most ``2S + K - 3`` tokens. The alternative, per-token
 copies of the conv column plus the scan's inputs (x, dt, B) and a replay of conv and scan alone, would
 write 0.44 MB (Mamba) / 0.33 MB (Mamba-2) a token per sequence (history for K = 8: 6.3 / 22 MB) and make a
 cut nearly free, which matters where a cut follows most steps (speculative decoding); it needs every scan
@@ -315,8 +303,8 @@ def _prune(h: SeqHistory) -> list[Snapshot]:
 class SnapshotRows:
     """The row buffers of snapshots, counted by the histories holding them (``seq_cp`` shares them); a
     buffer none holds any more is kept for the next snapshot, up to ``SPARE`` of them. Reuse matters:
-    a fresh Mamba-2 130M state (19 MB) page-faults its way in, measured at 1.2 ms to copy into a used
-    buffer but up to 75 ms into a new one on this machine."""
+    a fresh buffer as large as a Mamba-2 130M state (19 MB) page-faults its way in, and a copy into it
+    takes many times as long as into a used one."""
 
     SPARE = 4
 

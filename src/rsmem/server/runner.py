@@ -7,7 +7,7 @@ asyncio queue of the HTTP request that submitted them.
 
 Reports are handed to the event loop in one hand-off for all streams, at most every ``flush_interval``
 seconds: each hand-off wakes the loop, which then holds the GIL the engine thread needs (on a small
-model a step is a few milliseconds, and waking the loop every step cost the engine ~13% of its time).
+model a step is short, and waking the loop every step would take a real share of the engine's time).
 A report that carries a request's first token or first text, or ends it, goes at once (time to first
 token and the end of a request are never held back), and so does everything held once the engine has
 nothing left to run.
@@ -302,7 +302,7 @@ class EngineRunner:
 
 # Request ids: 96 random bits from a generator seeded once. uuid4() reads os.urandom for each id, a system
 # call that gives the GIL away on the event loop, and a busy engine thread may keep it for a switch interval
-# (5 ms) before the request goes on. Ids need to be unique, not secret.
+# (``sys.getswitchinterval()``) before the request goes on. Ids need to be unique, not secret.
 _ids = random.Random(os.urandom(32))
 
 
