@@ -11,7 +11,7 @@ attention layers spread among the others as the released models mix them:
 
 transformers 5.24 builds each with its random initialisation; ``rsmem.convert`` writes the f32 GGUF as
 llama.cpp's converter does (checked against llama.cpp's own conversions in
-``tests/hybrid/test_hybrid_convert.py``) with a byte-level BPE vocabulary (llama.cpp refuses a GGUF without
+``tests/loaders/test_hybrid_convert.py``) with a byte-level BPE vocabulary (llama.cpp refuses a GGUF without
 one). The extra row ``decode1@4096`` decodes one sequence after a 4,096-token prompt: the attention
 layers' share of a step grows with the context.
 """

@@ -1,13 +1,14 @@
 """RWKV-6 and RWKV-7 for ``bench/throughput.py`` (``--arch rwkv6``, ``--arch rwkv7``).
 
 A random 130M-class BlinkDL checkpoint (n_embd 768, 12 layers, head size 64, vocab 65536: the shape of
-BlinkDL's 0.1B models, whose layers each hold a time mix and a channel mix; ``tests/rwkv/rwkv_reference.py``
-makes it) is converted to an f32 GGUF by rsmem's ``convert_blink_to_gguf`` with a byte vocabulary (llama.cpp
-refuses a GGUF without one); rsmem and llama.cpp then run that file. The third column is the official
-``rwkv`` package (0.8.32, a test extra) on the same ``.pth``, strategy ``cpu fp32`` with its TorchScript
-kernels (``RWKV_JIT_ON=1``; RWKV-7 through ``RWKV_x070``, ``RWKV_V7_ON=1``), in a subprocess with the same
-thread count, ``--rounds`` measurements of each row and their median. The package has no batch: decode xN
-runs N states one token at a time (``forward`` on one token each), so its xN rows are its x1 speed again.
+BlinkDL's 0.1B models, whose layers each hold a time mix and a channel mix;
+``tests/helpers/rwkv_reference.py`` makes it) is converted to an f32 GGUF by rsmem's ``convert_blink_to_gguf``
+with a byte vocabulary (llama.cpp refuses a GGUF without one); rsmem and llama.cpp then run that file. The
+third column is the official ``rwkv`` package (0.8.32, a test extra) on the same ``.pth``, strategy ``cpu
+fp32`` with its TorchScript kernels (``RWKV_JIT_ON=1``; RWKV-7 through ``RWKV_x070``, ``RWKV_V7_ON=1``), in a
+subprocess with the same thread count, ``--rounds`` measurements of each row and their median. The package has
+no batch: decode xN runs N states one token at a time (``forward`` on one token each), so its xN rows are its
+x1 speed again.
 """
 
 from __future__ import annotations
@@ -69,11 +70,11 @@ def write_byte_vocab(path: Path) -> Path:
 
 def make_build(version: int) -> Callable[[Path], Path]:
     def build(folder: Path) -> Path:
-        sys.path.insert(0, str(ROOT / "tests" / "rwkv"))
+        sys.path.insert(0, str(ROOT / "tests"))
         try:
-            from rwkv_reference import random_rwkv6, random_rwkv7
+            from helpers.rwkv_reference import random_rwkv6, random_rwkv7
         finally:
-            sys.path.remove(str(ROOT / "tests" / "rwkv"))
+            sys.path.remove(str(ROOT / "tests"))
         from rsmem.loaders.rwkv.convert import convert_blink_to_gguf
 
         make = random_rwkv7 if version == 7 else random_rwkv6

@@ -1,6 +1,6 @@
 """Make tests/fixtures/quantize/: what llama.cpp's own quantizer writes for tiny f32 Mamba and Mamba-2 files.
 
-The f32 sources come from ``tests/quantize/quant_tiny_models.py`` (integer arithmetic, no RNG, so a test
+The f32 sources come from ``tests/helpers/quant_tiny_models.py`` (integer arithmetic, no RNG, so a test
 rebuilds them byte for byte; their sha256 is recorded). Each source is quantized to every preset by
 llama.cpp (``llama_cpp.llama_model_quantize``, default parameters, run by ``--llama-python``, a venv
 holding llama-cpp-python), and so are the f32 hybrid and RWKV fixtures already in the repository, and six
@@ -25,9 +25,9 @@ from pathlib import Path
 import gguf
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "quantize"))
-import quant_tiny_models  # noqa: E402
-from quant_tiny_models import describe, sha256  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))
+from helpers import quant_tiny_models  # noqa: E402
+from helpers.quant_tiny_models import describe, sha256  # noqa: E402
 
 OUT = ROOT / "tests" / "fixtures" / "quantize"
 LFT = gguf.LlamaFileType

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memory_helpers import decode_seq, snapshot, toy_context
+from helpers.memory import decode_seq, snapshot, toy_context
 from rsmem import Batch, BatchAllocator, Context, InvalidBatchError, NoSlotError
 from rsmem.models import DecayedSumModel
 

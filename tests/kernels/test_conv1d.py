@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_variants import ops_for_march
 
+from helpers.kernel_variants import ops_for_march
 from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
 from rsmem.models.ops.conv import causal_conv1d, causal_conv1d_, causal_conv1d_ref

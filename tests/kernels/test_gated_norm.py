@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_variants import ops_for_march
 
+from helpers.kernel_variants import ops_for_march
 from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
 from rsmem.models.ops.norm import gated_group_rms_norm, gated_group_rms_norm_ref, rms_norm, rms_norm_ref

@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from kernel_variants import ops_for_march
 
+from helpers.kernel_variants import ops_for_march
 from rsmem.kernels import HALF_TYPES, MATRIX_TYPES, build, dequantize_rows, qmatmul, qmatmul_ref, row_bytes
 from rsmem.models.ops.quantized import QuantMatrix
 

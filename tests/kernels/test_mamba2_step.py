@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from step_helpers import assert_decode_matches_forward, assert_matches_twin, decode, one_step_args
 
 import rsmem
+from helpers.kernel_steps import assert_decode_matches_forward, assert_matches_twin, decode, one_step_args
 from rsmem.engine import default_model_path
 from rsmem.models.mamba.mamba2 import Mamba2Config
 from rsmem.models.mamba.random_init import random_mamba2

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from step_helpers import (
+
+import rsmem
+from helpers.kernel_steps import (
     assert_decode_matches_forward,
     assert_matches_twin,
     copy_states,
     decode,
     one_step_args,
 )
-
-import rsmem
 from rsmem.models.mamba.mamba1 import MambaConfig
 from rsmem.models.mamba.random_init import random_mamba
 from rsmem.models.step.native import PACKED_FROM_ROWS
@@ -103,8 +103,7 @@ def test_accepts_looks_again_when_a_matrix_or_state_changes(ops) -> None:
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_portable_and_avx2_builds_match(ops, arch: str, march: str) -> None:
     """The steps built without AVX-512 (AVX2, and the scalar loops) against this machine's build."""
-    from kernel_variants import ops_for_march
-
+    from helpers.kernel_variants import ops_for_march
     from rsmem.models.mamba.mamba2 import Mamba2Config
     from rsmem.models.mamba.random_init import random_mamba2
 

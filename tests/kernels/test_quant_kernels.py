@@ -13,8 +13,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from kernel_variants import ops_for_march
 
+from helpers.kernel_variants import ops_for_march
 from rsmem import settings
 from rsmem.kernels import (
     KERNEL_TYPES,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_variants import ops_for_march
 
+from helpers.kernel_variants import ops_for_march
 from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
 from rsmem.models.ops.ssd import ssd_chunked_at_, ssd_ref, ssd_states_at_ref

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import MODEL, start_server
+from helpers.server import MODEL, start_server
 from rsmem import Context
 from rsmem.engine import Engine, SamplingParams
 from rsmem.engine import cache_dir as cache_dir_module

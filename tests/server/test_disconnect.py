@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from conftest import MODEL, LiveServer, start_server
+from helpers.server import MODEL, LiveServer, start_server
 
 NEVER_ENDING = 1_000_000  # max_tokens no test waits for: only a cancellation frees the slot
 

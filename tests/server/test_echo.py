@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from conftest import MODEL
+from helpers.server import MODEL
 
 PROMPT = "ROMEO:"
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from conftest import MODEL, LiveServer, model_path, start_server
+from helpers.server import MODEL, LiveServer, model_path, start_server
 from rsmem.batch.batch import UBatch
 from rsmem.engine import LLM, load_text_model
 from rsmem.models.faulty import FaultyModel

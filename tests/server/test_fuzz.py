@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import MODEL, LiveServer, start_server
+from helpers.server import MODEL, LiveServer, start_server
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402

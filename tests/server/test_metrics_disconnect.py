@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from conftest import MODEL, LiveServer, start_server
+from helpers.server import MODEL, LiveServer, start_server
 
 PATH = "/v1/completions"
 

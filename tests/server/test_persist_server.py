@@ -12,7 +12,7 @@ import logging
 import httpx
 import pytest
 
-from conftest import LiveServer, start_server
+from helpers.server import LiveServer, start_server
 from rsmem.cli.serve import register
 from rsmem.errors import RsmemError
 from rsmem.memory import checkpoint_file as cf

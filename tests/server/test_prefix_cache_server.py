@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from conftest import LiveServer, start_server
+from helpers.server import LiveServer, start_server
 
 SYSTEM = "You are a player in a company of actors, and you speak in verse. " * 6
 

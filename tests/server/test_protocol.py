@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL, LiveServer, model_path, start_server
+from helpers.server import MODEL, LiveServer, model_path, start_server
 
 PROMPT = "To be, or not to be"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import MODEL, model_path
+from helpers.server import MODEL, model_path
 from rsmem.engine import LLM, SamplingParams
 from rsmem.errors import InvalidRequestError
 

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from conftest import MODEL, LiveServer, start_server
+from helpers.server import MODEL, LiveServer, start_server
 
 
 def complete(live: LiveServer, **extra) -> httpx.Response:

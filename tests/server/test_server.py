@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL, LiveServer, start_server
+from helpers.server import MODEL, LiveServer, start_server
 
 PROMPT = "To be, or not to be"
 

@@ -8,7 +8,7 @@ import struct
 import httpx
 import pytest
 
-from conftest import MODEL, LiveServer
+from helpers.server import MODEL, LiveServer
 
 
 def slot_post(live: LiveServer, slot: int, action: str, filename: str | None) -> httpx.Response:
