@@ -4,10 +4,13 @@ token, the same tokens in every micro-batch, whatever the splits before."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 
 from rsmem import Batch, BatchAllocator, InvalidBatchError
+
+pytestmark = pytest.mark.fuzz
 
 
 class Stored:

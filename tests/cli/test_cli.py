@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rsmem.engine import default_model_path
+
+pytestmark = pytest.mark.subprocess
 
 ENV = os.environ | {"PYTHONUNBUFFERED": "1"}
 

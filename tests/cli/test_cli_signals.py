@@ -16,6 +16,8 @@ import pytest
 from rsmem import startup
 from rsmem.engine import LLM
 
+pytestmark = pytest.mark.subprocess
+
 ENV = os.environ | {"PYTHONUNBUFFERED": "1"}
 # no end before the test stops it: no EOS, and no "\n\n" (chat's default stop)
 LONG = ["-n", "5000", "--ignore-eos", "--stop", "ZZZZ"]

@@ -20,6 +20,8 @@ from rsmem.cli.model import add_model_options, load
 from rsmem.models.rwkv.rwkv6 import Rwkv6Model
 from rsmem.models.rwkv.rwkv7 import Rwkv7Model
 
+pytestmark = pytest.mark.compiled
+
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "llamacpp" / "rwkv"
 PROMPT = [72, 102, 109, 109, 112, 33, 120, 112, 115, 109, 101, 257, 258, 290]
 

@@ -71,6 +71,7 @@ def same(a: Checkpoint, b: Checkpoint) -> bool:
 FINGERPRINT = bytes(range(32))
 
 
+@pytest.mark.fuzz
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(saved(), st.data())
 def test_companions_round_trip_and_refuse_every_damage(case, data):
@@ -111,6 +112,7 @@ def test_companions_round_trip_and_refuse_every_damage(case, data):
         parse(raw, lay=other)
 
 
+@pytest.mark.fuzz
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(saved().filter(lambda case: bool(case[2])))
 def test_entries_round_trip_and_their_header_alone_names_the_key(case):

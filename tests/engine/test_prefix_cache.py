@@ -302,7 +302,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 PrefixCacheMachine.TestCase.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+TestPrefixCacheMachine = pytest.mark.fuzz(PrefixCacheMachine.TestCase)
 
 
 # ----------------------------------------------------------------- unit tests

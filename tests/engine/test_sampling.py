@@ -323,6 +323,7 @@ params_strategy = st.builds(
 )
 
 
+@pytest.mark.fuzz
 @settings(max_examples=60, deadline=None)
 @given(
     rows=st.lists(st.tuples(params_strategy, st.integers(0, 2**32)), min_size=1, max_size=5),

@@ -12,6 +12,8 @@ from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
 from rsmem.models.ops.conv import causal_conv1d, causal_conv1d_, causal_conv1d_ref
 
+pytestmark = pytest.mark.compiled
+
 
 def native():
     if not kernels_active():

@@ -13,6 +13,8 @@ from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
 from rsmem.models.ops.norm import gated_group_rms_norm, gated_group_rms_norm_ref, rms_norm, rms_norm_ref
 
+pytestmark = pytest.mark.compiled
+
 
 def native():
     if not kernels_active():

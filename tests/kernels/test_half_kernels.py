@@ -13,6 +13,8 @@ from helpers.kernel_variants import ops_for_march
 from rsmem.kernels import HALF_TYPES, MATRIX_TYPES, build, dequantize_rows, qmatmul, qmatmul_ref, row_bytes
 from rsmem.models.ops.quantized import QuantMatrix
 
+pytestmark = pytest.mark.compiled
+
 Q = gguf.GGMLQuantizationType
 DTYPES = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 # float32 sums in another order than the reference's: a few float32 epsilons (1.2e-7) of sum_i |x_i w_i|

@@ -18,6 +18,8 @@ from test_quant_kernels import (
 
 from rsmem.kernels import build, dequantize_rows, qmatmul
 
+pytestmark = pytest.mark.compiled
+
 
 @pytest.fixture
 def ops():

@@ -20,6 +20,8 @@ from rsmem.models.mamba.random_init import random_mamba2
 from rsmem.models.step.fused import mamba2_mixer_step_
 from rsmem.models.step.native import PACKED_FROM_ROWS
 
+pytestmark = pytest.mark.compiled
+
 QUANT = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "quant"
 
 

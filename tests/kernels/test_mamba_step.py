@@ -22,6 +22,8 @@ from rsmem.models.mamba.mamba1 import MambaConfig
 from rsmem.models.mamba.random_init import random_mamba
 from rsmem.models.step.native import PACKED_FROM_ROWS
 
+pytestmark = pytest.mark.compiled
+
 QUANT = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "quant"
 
 

@@ -14,6 +14,8 @@ from rsmem import settings, threads
 from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
 
+pytestmark = pytest.mark.compiled
+
 POLICIES = [-1, 0, 200]  # off (at::parallel_for), sleep at once, spin 200 us
 
 

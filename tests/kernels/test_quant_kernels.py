@@ -27,6 +27,8 @@ from rsmem.kernels import (
 )
 from rsmem.kernels.formats import block_shape
 
+pytestmark = pytest.mark.compiled
+
 Q = gguf.GGMLQuantizationType
 SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 # float32 activations: only the summation order differs from the reference, an error bounded by a few
@@ -396,6 +398,7 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch, capsys)
     assert "build lock" not in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_a_build_in_progress_elsewhere_is_waited_for(tmp_path, monkeypatch, capsys):
     """Another process building (it holds rsmem's flock, torch's ``lock`` exists) is not disturbed: this
     one waits until it is done, then loads, and removes nothing."""

@@ -17,6 +17,8 @@ from rsmem.models.step.compiled import has_cxx_compiler
 from rsmem.models.step.fused import Packed, matmul_rows
 from rsmem.models.step.small_rows import SmallRows, rows_f32, rows_operand, rows_ref
 
+pytestmark = pytest.mark.compiled
+
 
 def native():
     if not kernels_active():

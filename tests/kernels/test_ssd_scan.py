@@ -13,6 +13,8 @@ from rsmem.kernels import build
 from rsmem.kernels.quant import kernels_active
 from rsmem.models.ops.ssd import ssd_chunked_at_, ssd_ref, ssd_states_at_ref
 
+pytestmark = pytest.mark.compiled
+
 
 def inputs(bs: int, n: int, heads: int, p: int, groups: int, d_state: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)

@@ -216,6 +216,7 @@ def test_a_file_cut_in_a_tensor_names_it(tmp_path: Path) -> None:
     assert "dtype" not in str(caught.value)
 
 
+@pytest.mark.subprocess
 def test_the_cli_reports_a_corrupt_file_in_one_line(tmp_path: Path) -> None:
     path = patched(tmp_path, "mamba2/model-bf16.gguf", "mamba2.ssm.group_count", 0)
     r = subprocess.run(

@@ -21,6 +21,8 @@ from rsmem.loaders.tensor_types import Holding, file_summary, open_reader
 from rsmem.models.ops.quantized import QuantMatrix
 from rsmem.models.step import compiled
 
+pytestmark = pytest.mark.compiled
+
 Q = gguf.GGMLQuantizationType
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
 # max |kept - widened| / max |logit|: only the order of float32 sums differs

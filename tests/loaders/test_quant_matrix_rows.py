@@ -12,6 +12,8 @@ from rsmem.kernels import KERNEL_TYPES, build
 from rsmem.kernels.formats import block_shape
 from rsmem.models.ops.quantized import QuantMatrix
 
+pytestmark = pytest.mark.compiled
+
 Q = gguf.GGMLQuantizationType
 
 

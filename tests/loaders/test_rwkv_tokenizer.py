@@ -73,6 +73,7 @@ def test_whole_corpus_at_once(tok, reference) -> None:
     assert tok.encode(text).ids == reference.encode(text)
 
 
+@pytest.mark.fuzz
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=200))
 def test_round_trips_any_text(tok, text: str) -> None:

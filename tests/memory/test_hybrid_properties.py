@@ -22,6 +22,8 @@ from rsmem import Batch, Context
 from rsmem.errors import NoSlotError
 from rsmem.memory.hybrid import HybridMemory
 
+pytestmark = pytest.mark.fuzz
+
 N = 3
 MODEL = rsmem.load_model(
     Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "lfm2" / "model-f32.gguf"

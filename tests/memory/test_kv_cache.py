@@ -198,7 +198,7 @@ class _nothing:
         return False
 
 
-TestKVMachine = KVMachine.TestCase
+TestKVMachine = pytest.mark.fuzz(KVMachine.TestCase)
 TestKVMachine.settings = settings(
     max_examples=150, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -23,6 +23,8 @@ from rsmem.errors import UnknownSequenceError
 from rsmem.memory.recurrent import POS_MAX
 from rsmem.models import DecayedSumModel
 
+pytestmark = pytest.mark.fuzz
+
 N_SEQ = 5
 MODEL = DecayedSumModel(n_vocab=16, n_embd=3, n_layer=2, seed=1)
 token_lists = st.lists(st.integers(0, 15), min_size=1, max_size=4)

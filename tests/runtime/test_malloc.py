@@ -54,7 +54,10 @@ def rounds(**env: str) -> dict[str, object]:
     return dict(json.loads(out.stdout))
 
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only"),
+]
 
 
 def test_freed_blocks_are_reused_without_page_faults():

@@ -15,6 +15,8 @@ import rsmem
 from rsmem import threads
 from rsmem.engine import default_model_path
 
+pytestmark = pytest.mark.subprocess
+
 OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "RSMEM_OMP_PASSIVE", "RSMEM_THREADS", "OMP_DISPLAY_ENV")
 
 

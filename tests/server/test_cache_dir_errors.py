@@ -20,6 +20,8 @@ from rsmem.engine.cache_dir import WRITER
 from rsmem.models import Mamba2Config
 from rsmem.models.mamba.random_init import random_mamba2
 
+pytestmark = pytest.mark.subprocess
+
 N_VOCAB = 64
 PROMPT = [(1 + 7 * k) % N_VOCAB for k in range(44)]  # long enough for several checkpoints
 GREEDY = SamplingParams.greedy(max_tokens=4)

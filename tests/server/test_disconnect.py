@@ -12,6 +12,8 @@ import pytest
 
 from helpers.server import MODEL, LiveServer, start_server
 
+pytestmark = pytest.mark.subprocess
+
 NEVER_ENDING = 1_000_000  # max_tokens no test waits for: only a cancellation frees the slot
 
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from helpers.server import MODEL
+
+pytestmark = pytest.mark.subprocess
 
 PROMPT = "ROMEO:"
 

@@ -27,6 +27,8 @@ from rsmem.engine import LLM, load_text_model
 from rsmem.models.faulty import FaultyModel
 from rsmem.models.protocol import StateAccess
 
+pytestmark = pytest.mark.subprocess
+
 GOOD = [("ROMEO:", 0), ("JULIET:\nO Romeo,", 1), ("KING HENRY:", 2)]  # (prompt, pinned slot)
 BAD_SLOT = 3
 MAX_TOKENS = 40

@@ -15,6 +15,8 @@ import pytest
 
 from helpers.server import MODEL, LiveServer, start_server
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.fuzz]
+
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402

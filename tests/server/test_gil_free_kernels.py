@@ -13,7 +13,10 @@ from torch._inductor.codecache import CppPythonBindingsCodeCache
 from rsmem.models.step import compiled
 from rsmem.models.step.compiled import CompiledStep, has_cxx_compiler, release_gil_in_kernels
 
-pytestmark = pytest.mark.skipif(not has_cxx_compiler(), reason="no C++ compiler for inductor")
+pytestmark = [
+    pytest.mark.compiled,
+    pytest.mark.skipif(not has_cxx_compiler(), reason="no C++ compiler for inductor"),
+]
 
 
 def chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ import uvicorn
 from rsmem.engine import LLM, SamplingParams
 from rsmem.server import ServeOptions, bind_socket, build_app, run_server
 
+pytestmark = pytest.mark.subprocess
+
 PATH = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "lfm2" / "model-f32.gguf"
 N_VOCAB = 300
 

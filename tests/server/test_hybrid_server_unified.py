@@ -8,9 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 from test_hybrid_server import serving
 
 from rsmem.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.subprocess
 
 PATH = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "lfm2" / "model-f32.gguf"
 

@@ -23,6 +23,8 @@ from rsmem.engine import LLM
 from rsmem.errors import RsmemError
 from rsmem.server import ServeOptions, bind_socket, run_server
 
+pytestmark = pytest.mark.subprocess
+
 SCRIPT = """
 import sys
 from rsmem.engine import LLM

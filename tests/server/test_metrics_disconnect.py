@@ -13,6 +13,8 @@ import pytest
 
 from helpers.server import MODEL, LiveServer, start_server
 
+pytestmark = pytest.mark.subprocess
+
 PATH = "/v1/completions"
 
 

@@ -18,6 +18,8 @@ from rsmem.errors import RsmemError
 from rsmem.memory import checkpoint_file as cf
 from rsmem.server import ServeOptions, build_app
 
+pytestmark = pytest.mark.subprocess
+
 SYSTEM = "You are a player in a company of actors, and you speak in verse. " * 6
 TURN1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who art thou?"}]
 NEW = {"role": "user", "content": "And whence comest thou, and whither?"}

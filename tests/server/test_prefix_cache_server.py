@@ -4,8 +4,11 @@ it shares with the previous turn come from checkpoints, whatever slot it lands i
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from helpers.server import LiveServer, start_server
+
+pytestmark = pytest.mark.subprocess
 
 SYSTEM = "You are a player in a company of actors, and you speak in verse. " * 6
 

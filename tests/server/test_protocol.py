@@ -14,6 +14,8 @@ import pytest
 
 from helpers.server import MODEL, LiveServer, model_path, start_server
 
+pytestmark = pytest.mark.subprocess
+
 PROMPT = "To be, or not to be"
 
 

@@ -17,6 +17,8 @@ import uvicorn
 from rsmem.engine import LLM, SamplingParams
 from rsmem.server import ServeOptions, bind_socket, build_app
 
+pytestmark = pytest.mark.subprocess
+
 PATH = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "qwen35" / "model-f32.gguf"
 
 

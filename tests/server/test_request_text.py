@@ -10,6 +10,8 @@ from helpers.server import MODEL, model_path
 from rsmem.engine import LLM, SamplingParams
 from rsmem.errors import InvalidRequestError
 
+pytestmark = pytest.mark.subprocess
+
 CHAT = "/chat/completions"
 CASES = [
     ("/completions", r'{"prompt": "ROMEO \ud800 x"}', "prompt", "U+D800 at character 6"),

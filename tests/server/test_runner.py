@@ -7,8 +7,11 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from helpers.server import MODEL, LiveServer, start_server
+
+pytestmark = pytest.mark.subprocess
 
 
 def complete(live: LiveServer, **extra) -> httpx.Response:

@@ -11,6 +11,8 @@ import pytest
 
 from helpers.server import MODEL, LiveServer, start_server
 
+pytestmark = pytest.mark.subprocess
+
 PROMPT = "To be, or not to be"
 
 

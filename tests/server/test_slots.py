@@ -10,6 +10,8 @@ import pytest
 
 from helpers.server import MODEL, LiveServer
 
+pytestmark = pytest.mark.subprocess
+
 
 def slot_post(live: LiveServer, slot: int, action: str, filename: str | None) -> httpx.Response:
     body = {"filename": filename} if filename is not None else None

@@ -16,6 +16,8 @@ import rsmem
 from rsmem.models.step import compiled
 from rsmem.models.step.compiled import CompiledStep
 
+pytestmark = pytest.mark.compiled
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "llamacpp"
 needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
 

@@ -17,6 +17,8 @@ from rsmem.kernels.build import native_ops
 from rsmem.models.hybrid import native as hybrid_native
 from rsmem.models.step import compiled
 
+pytestmark = pytest.mark.compiled
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "llamacpp"
 needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="the kernels need a C++ compiler")
 ARCHS = ["lfm2", "nemotron_h"]

@@ -19,6 +19,8 @@ from rsmem.models.hybrid.qwen35_decode import QwenChains, delta_step_
 from rsmem.models.ops.delta_net import delta_rule_step, l2_norm
 from rsmem.models.step import compiled
 
+pytestmark = pytest.mark.compiled
+
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "llamacpp" / "qwen35" / "model-f32.gguf"
 needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
 

@@ -31,6 +31,8 @@ from rsmem.models.step.fused import SmallRows
 from rsmem.models.step.packed import packing_enabled
 from rsmem.models.step.small_rows import kernel_ops
 
+pytestmark = pytest.mark.compiled
+
 CPU = torch.device("cpu")
 RWKV_FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "llamacpp" / "rwkv"
 needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")

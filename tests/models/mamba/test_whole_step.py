@@ -17,6 +17,8 @@ from rsmem.models.step import compiled, fused
 from rsmem.models.step.packed import packing_enabled
 from rsmem.models.step.small_rows import kernel_ops
 
+pytestmark = pytest.mark.compiled
+
 needs_cxx = pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="inductor needs a C++ compiler")
 QUANT = Path(__file__).resolve().parents[2] / "fixtures" / "llamacpp" / "quant"
 

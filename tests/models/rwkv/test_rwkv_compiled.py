@@ -15,6 +15,8 @@ import rsmem
 from rsmem import Batch, Context
 from rsmem.models.step.compiled import has_cxx_compiler
 
+pytestmark = pytest.mark.compiled
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "llamacpp" / "rwkv"
 PROMPT = list(range(1, 12))
 

@@ -81,6 +81,7 @@ def test_state_file_round_trip(gguf_path, tmp_path) -> None:
     torch.testing.assert_close(fresh.logits, ctx.logits, rtol=0, atol=0)
 
 
+@pytest.mark.subprocess
 def test_generate_command_runs_an_rwkv7_gguf(gguf_path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "rsmem.cli", "generate", "-m", str(gguf_path), "-p", "Hello", "-n", "6",

@@ -27,6 +27,8 @@ from rsmem.models.step.native import (
     NativeStep,
 )
 
+pytestmark = pytest.mark.compiled
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "llamacpp" / "rwkv"
 needs_cxx = pytest.mark.skipif(not has_cxx_compiler(), reason="the kernels need a C++ compiler")
 

@@ -18,6 +18,8 @@ from rsmem.models.step.small_rows import SmallRows
 from rsmem.models.step.wkv_fused import one_row
 from rsmem.models.step.wkv_many import MANY_OPTIONS
 
+pytestmark = pytest.mark.compiled
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "llamacpp" / "rwkv"
 needs_kernels = pytest.mark.skipif(small_rows.kernel_ops() is None, reason="the C++ kernels are not built")
 needs_compiler = pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")

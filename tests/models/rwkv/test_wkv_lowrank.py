@@ -16,6 +16,8 @@ from rsmem.models.ops import wkv_lowrank
 from rsmem.models.ops.wkv_lowrank import lowrank, matmul_one_thread, unit_lower_inverse_one_thread
 from rsmem.models.step.compiled import has_cxx_compiler
 
+pytestmark = pytest.mark.compiled
+
 
 @pytest.fixture
 def two_threads() -> Iterator[None]:

@@ -15,7 +15,10 @@ from rsmem.models.ops.wkv import wkv7_prefill_, wkv7_ref_
 from rsmem.models.ops.wkv6 import wkv6_prefill_, wkv6_ref_
 from rsmem.models.step.compiled import has_cxx_compiler
 
-pytestmark = pytest.mark.skipif(not has_cxx_compiler(), reason="the kernels need a C++ compiler")
+pytestmark = [
+    pytest.mark.compiled,
+    pytest.mark.skipif(not has_cxx_compiler(), reason="the kernels need a C++ compiler"),
+]
 
 
 @pytest.fixture(scope="module")
