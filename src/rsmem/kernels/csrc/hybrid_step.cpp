@@ -50,7 +50,41 @@ using step::silu;
 constexpr const char* kOp = "hybrid step";
 
 enum Kind : int64_t { kConv = 0, kSwiglu = 1, kRelu2 = 2, kAttention = 3, kMamba2 = 4 };
-constexpr int64_t kTensors[] = {5, 3, 3, 7, 11};
+
+// Each kind's operands, named as rsmem.models.step.operands' CONV_BLOCK, MLP_BLOCK (SwiGLU's and ReLU²'s),
+// ATTENTION_BLOCK and MAMBA2 (step_common.h)
+struct ConvField {
+  enum : int64_t { NORM, CONV_IN, CONV, CONV_OUT, WINDOW, N_FIELDS };
+};
+struct ConvMatrix {
+  enum : int64_t { CONV_IN, CONV_OUT, N_MATRICES };
+};
+struct MlpField {
+  enum : int64_t { NORM, UP, DOWN, N_FIELDS };
+};
+struct MlpMatrix {
+  enum : int64_t { UP, DOWN, N_MATRICES };
+};
+struct AttentionField {
+  enum : int64_t { NORM, WQKV, Q_NORM, K_NORM, WO, K_ROWS, V_ROWS, N_FIELDS };
+};
+struct AttentionMatrix {
+  enum : int64_t { WQKV, WO, N_MATRICES };
+};
+using step::Mamba2Field;
+using step::Mamba2Matrix;
+
+constexpr int64_t kTensors[] = {ConvField::N_FIELDS, MlpField::N_FIELDS, MlpField::N_FIELDS, AttentionField::N_FIELDS,
+                                Mamba2Field::N_FIELDS};
+constexpr int64_t kQtypes = 2;  // a block's matrices
+static_assert(ConvMatrix::N_MATRICES == kQtypes && MlpMatrix::N_MATRICES == kQtypes &&
+                  AttentionMatrix::N_MATRICES == kQtypes && Mamba2Matrix::N_MATRICES == kQtypes,
+              "every block kind has two matrices");
+// every block's pre-norm, read before its kind is looked at
+constexpr int64_t kNorm = 0;
+static_assert(ConvField::NORM == kNorm && MlpField::NORM == kNorm && AttentionField::NORM == kNorm &&
+                  Mamba2Field::NORM == kNorm,
+              "every block's norm comes first");
 
 // The attention blocks' shared operands: each row's KV row to write, its visible rows, and RoPE's tables.
 struct Cells {
@@ -71,45 +105,53 @@ int64_t check_kind(int64_t kind) {
 // A block's operands; n_rows is the KV caches' rows (every attention block's caches have them).
 void check_block(int64_t kind, const at::Tensor* t, const int64_t* q, int64_t M, int64_t dm, int64_t H,
                  int64_t Hkv, int64_t half, int64_t n_group) {
-  check_f32(kOp, t[0], dm, "norm");
+  check_f32(kOp, t[kNorm], dm, "norm");
   if (kind == kConv) {
-    TORCH_CHECK_VALUE(t[2].dim() == 2 && t[2].size(0) == dm && t[2].size(1) >= 2, kOp, ": conv must be [", dm,
-                      ", L], got ", t[2].sizes());
-    const int64_t L = t[2].size(1);
-    check_f32(kOp, t[2], dm * L, "conv");
-    check_f32(kOp, t[4], M * dm * (L - 1), "window");
-    check_matrix(kOp, t[1], q[0], 3 * dm, dm, "conv_in");
-    check_matrix(kOp, t[3], q[1], dm, dm, "conv_out");
+    const at::Tensor& conv = t[ConvField::CONV];
+    TORCH_CHECK_VALUE(conv.dim() == 2 && conv.size(0) == dm && conv.size(1) >= 2, kOp, ": conv must be [", dm,
+                      ", L], got ", conv.sizes());
+    const int64_t L = conv.size(1);
+    check_f32(kOp, conv, dm * L, "conv");
+    check_f32(kOp, t[ConvField::WINDOW], M * dm * (L - 1), "window");
+    check_matrix(kOp, t[ConvField::CONV_IN], q[ConvMatrix::CONV_IN], 3 * dm, dm, "conv_in");
+    check_matrix(kOp, t[ConvField::CONV_OUT], q[ConvMatrix::CONV_OUT], dm, dm, "conv_out");
   } else if (kind == kSwiglu || kind == kRelu2) {
-    TORCH_CHECK_VALUE(t[2].dim() == 2 && t[2].size(0) == dm, kOp, ": down must be [", dm, ", f], got ",
-                      t[2].sizes());
-    const int64_t f = t[2].size(1);
-    check_matrix(kOp, t[1], q[0], kind == kSwiglu ? 2 * f : f, dm, kind == kSwiglu ? "gate_up" : "up");
-    check_matrix(kOp, t[2], q[1], dm, f, "down");
+    const at::Tensor& down = t[MlpField::DOWN];
+    TORCH_CHECK_VALUE(down.dim() == 2 && down.size(0) == dm, kOp, ": down must be [", dm, ", f], got ",
+                      down.sizes());
+    const int64_t f = down.size(1);
+    check_matrix(kOp, t[MlpField::UP], q[MlpMatrix::UP], kind == kSwiglu ? 2 * f : f, dm,
+                 kind == kSwiglu ? "gate_up" : "up");
+    check_matrix(kOp, down, q[MlpMatrix::DOWN], dm, f, "down");
   } else if (kind == kAttention) {
+    const at::Tensor& wqkv = t[AttentionField::WQKV];
     TORCH_CHECK_VALUE(H > 0 && Hkv > 0 && H % Hkv == 0, kOp, ": ", H, " query heads over ", Hkv, " KV heads");
-    TORCH_CHECK_VALUE(t[1].dim() == 2 && t[1].size(0) % (H + 2 * Hkv) == 0, kOp, ": wqkv ", t[1].sizes(),
+    TORCH_CHECK_VALUE(wqkv.dim() == 2 && wqkv.size(0) % (H + 2 * Hkv) == 0, kOp, ": wqkv ", wqkv.sizes(),
                       " does not fit ", H, " + 2 x ", Hkv, " heads");
-    const int64_t D = t[1].size(0) / (H + 2 * Hkv);
+    const int64_t D = wqkv.size(0) / (H + 2 * Hkv);
     TORCH_CHECK_VALUE(2 * half <= D, kOp, ": RoPE over ", 2 * half, " channels of heads of ", D);
-    check_matrix(kOp, t[1], q[0], (H + 2 * Hkv) * D, dm, "wqkv");
-    for (int i : {2, 3}) {
-      if (t[i].numel() != 0) check_f32(kOp, t[i], D, i == 2 ? "q_norm" : "k_norm");
+    check_matrix(kOp, wqkv, q[AttentionMatrix::WQKV], (H + 2 * Hkv) * D, dm, "wqkv");
+    for (int64_t i : {AttentionField::Q_NORM, AttentionField::K_NORM}) {
+      if (t[i].numel() != 0) check_f32(kOp, t[i], D, i == AttentionField::Q_NORM ? "q_norm" : "k_norm");
     }
-    check_matrix(kOp, t[4], q[1], dm, H * D, "wo");
-    for (int i : {5, 6}) {
+    check_matrix(kOp, t[AttentionField::WO], q[AttentionMatrix::WO], dm, H * D, "wo");
+    for (int64_t i : {AttentionField::K_ROWS, AttentionField::V_ROWS}) {
       TORCH_CHECK_VALUE(t[i].scalar_type() == at::kFloat && t[i].dim() == 2 && t[i].size(1) == Hkv * D &&
                             t[i].is_contiguous(),
-                        kOp, ": ", i == 5 ? "k_rows" : "v_rows", " must be contiguous float32 [cells, ", Hkv * D,
-                        "], got ", t[i].scalar_type(), " ", t[i].sizes());
+                        kOp, ": ", i == AttentionField::K_ROWS ? "k_rows" : "v_rows",
+                        " must be contiguous float32 [cells, ", Hkv * D, "], got ", t[i].scalar_type(), " ",
+                        t[i].sizes());
     }
-    TORCH_CHECK_VALUE(t[5].size(0) == t[6].size(0), kOp, ": k_rows and v_rows differ in cells");
+    TORCH_CHECK_VALUE(t[AttentionField::K_ROWS].size(0) == t[AttentionField::V_ROWS].size(0), kOp,
+                      ": k_rows and v_rows differ in cells");
   } else {
-    TORCH_CHECK_VALUE(t[10].dim() == 4 && t[10].size(0) == M, kOp, ": h must be [", M, ", H, P, N], got ",
-                      t[10].sizes());
-    const int64_t width = step::check_mixer(kOp, t[9], t[2], t[3], t[4], t[5], t[6], t[7], t[10], n_group);
-    check_matrix(kOp, t[1], q[0], width, dm, "in_proj");
-    check_matrix(kOp, t[8], q[1], dm, t[10].size(1) * t[10].size(2), "out_proj");
+    const at::Tensor& h = t[Mamba2Field::H];
+    TORCH_CHECK_VALUE(h.dim() == 4 && h.size(0) == M, kOp, ": h must be [", M, ", H, P, N], got ", h.sizes());
+    const int64_t width = step::check_mixer(kOp, t[Mamba2Field::WINDOW], t[Mamba2Field::CONV_WEIGHT],
+                                            t[Mamba2Field::CONV_BIAS], t[Mamba2Field::DT_BIAS], t[Mamba2Field::A],
+                                            t[Mamba2Field::D], t[Mamba2Field::SSM_NORM], h, n_group);
+    check_matrix(kOp, t[Mamba2Field::IN_PROJ], q[Mamba2Matrix::IN_PROJ], width, dm, "in_proj");
+    check_matrix(kOp, t[Mamba2Field::OUT_PROJ], q[Mamba2Matrix::OUT_PROJ], dm, h.size(1) * h.size(2), "out_proj");
   }
 }
 
@@ -183,12 +225,13 @@ void attend(const float* qkv, int64_t ld, const float* krows, const float* vrows
 
 void attention_block(float* x, const at::Tensor& u, const at::Tensor* t, const int64_t* q, int64_t M, int64_t H,
                      int64_t Hkv, float scale, const Cells& cells, float eps) {
-  const at::Tensor qkv = product(u, t[1], q[0]);  // [M, (H + 2 Hkv) D]
+  const at::Tensor qkv = product(u, t[AttentionField::WQKV], q[AttentionMatrix::WQKV]);  // [M, (H + 2 Hkv) D]
   const int64_t ld = qkv.size(1), D = ld / (H + 2 * Hkv), width = Hkv * D;
   float* qp = qkv.data_ptr<float>();
-  float *krows = t[5].data_ptr<float>(), *vrows = t[6].data_ptr<float>();
-  const float* qn = t[2].numel() ? t[2].data_ptr<float>() : nullptr;
-  const float* kn = t[3].numel() ? t[3].data_ptr<float>() : nullptr;
+  float *krows = t[AttentionField::K_ROWS].data_ptr<float>(), *vrows = t[AttentionField::V_ROWS].data_ptr<float>();
+  const at::Tensor &q_norm = t[AttentionField::Q_NORM], &k_norm = t[AttentionField::K_NORM];
+  const float* qn = q_norm.numel() ? q_norm.data_ptr<float>() : nullptr;
+  const float* kn = k_norm.numel() ? k_norm.data_ptr<float>() : nullptr;
   for (int64_t m = 0; m < M; ++m) {
     float* row = qp + m * ld;
     for (int64_t h = 0; h < H + Hkv; ++h) {  // query heads, then key heads
@@ -202,14 +245,14 @@ void attention_block(float* x, const at::Tensor& u, const at::Tensor* t, const i
   }
   at::Tensor o = at::empty({M, H * D}, qkv.options());
   attend(qp, ld, krows, vrows, cells, M, H, Hkv, D, scale, o.data_ptr<float>());
-  step::add_product(x, o, t[4], q[1]);
+  step::add_product(x, o, t[AttentionField::WO], q[AttentionMatrix::WO]);
 }
 
 void conv_block(float* x, const at::Tensor& uu, const at::Tensor* t, const int64_t* q, int64_t M, int64_t dm) {
-  const at::Tensor bcx = product(uu, t[1], q[0]);  // [M, 3 d]: b, c, x
-  const int64_t L = t[2].size(1);
-  const float* w = t[2].data_ptr<float>();
-  float* win = t[4].data_ptr<float>();
+  const at::Tensor bcx = product(uu, t[ConvField::CONV_IN], q[ConvMatrix::CONV_IN]);  // [M, 3 d]: b, c, x
+  const int64_t L = t[ConvField::CONV].size(1);
+  const float* w = t[ConvField::CONV].data_ptr<float>();
+  float* win = t[ConvField::WINDOW].data_ptr<float>();
   at::Tensor y = at::empty({M, dm}, bcx.options());
   const float* bp = bcx.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -226,11 +269,11 @@ void conv_block(float* x, const at::Tensor& uu, const at::Tensor* t, const int64
       yp[m * dm + ch] = c[ch] * acc;
     }
   }
-  step::add_product(x, y, t[3], q[1]);
+  step::add_product(x, y, t[ConvField::CONV_OUT], q[ConvMatrix::CONV_OUT]);
 }
 
 void mlp_block(float* x, const at::Tensor& uu, const at::Tensor* t, const int64_t* q, bool swiglu) {
-  const at::Tensor up = product(uu, t[1], q[0]);
+  const at::Tensor up = product(uu, t[MlpField::UP], q[MlpMatrix::UP]);
   const int64_t M = up.size(0), f = swiglu ? up.size(1) / 2 : up.size(1);
   at::Tensor a = swiglu ? at::empty({M, f}, up.options()) : up;
   const float* src = up.data_ptr<float>();
@@ -244,7 +287,7 @@ void mlp_block(float* x, const at::Tensor& uu, const at::Tensor* t, const int64_
       for (int64_t j = 0; j < f; ++j) out[j] = row[j] > 0.f ? row[j] * row[j] : 0.f;
     }
   }
-  step::add_product(x, a, t[2], q[1]);
+  step::add_product(x, a, t[MlpField::DOWN], q[MlpMatrix::DOWN]);
 }
 
 at::Tensor hybrid_step(const at::Tensor& x_in, at::IntArrayRef kinds, at::TensorList blocks, at::IntArrayRef qtypes,
@@ -255,8 +298,8 @@ at::Tensor hybrid_step(const at::Tensor& x_in, at::IntArrayRef kinds, at::Tensor
   TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1,
                     kOp, ": x must be float32 [M, d_model], got ", x_in.sizes());
   const int64_t M = x_in.size(0), dm = x_in.size(1);
-  TORCH_CHECK_VALUE(qtypes.size() == 2 * kinds.size(), kOp, ": 2 qtypes a block, got ", qtypes.size(), " for ",
-                    kinds.size(), " blocks");
+  TORCH_CHECK_VALUE(qtypes.size() == kQtypes * kinds.size(), kOp, ": ", kQtypes, " qtypes a block, got ",
+                    qtypes.size(), " for ", kinds.size(), " blocks");
   int64_t n_tensors = 0, n_attention = 0;
   for (const int64_t kind : kinds) {
     n_tensors += check_kind(kind);
@@ -298,9 +341,9 @@ at::Tensor hybrid_step(const at::Tensor& x_in, at::IntArrayRef kinds, at::Tensor
       const at::Tensor* t = blocks.data() + at_t;
       const int64_t H = kinds[b] == kAttention ? heads[2 * at_a] : 0;
       const int64_t Hkv = kinds[b] == kAttention ? heads[2 * at_a + 1] : 0;
-      check_block(kinds[b], t, qtypes.data() + 2 * b, M, dm, H, Hkv, cells.half, n_group);
+      check_block(kinds[b], t, qtypes.data() + kQtypes * b, M, dm, H, Hkv, cells.half, n_group);
       if (kinds[b] == kAttention) {
-        const int64_t n_rows = t[5].size(0);
+        const int64_t n_rows = t[AttentionField::K_ROWS].size(0);
         const int64_t* idx = cells.index;
         for (int64_t i = 0; i < M * cells.width; ++i) {
           TORCH_CHECK_VALUE(!cells.valid[i] || (idx[i] >= 0 && idx[i] < n_rows), kOp, ": index ", idx[i],
@@ -326,8 +369,8 @@ at::Tensor hybrid_step(const at::Tensor& x_in, at::IntArrayRef kinds, at::Tensor
   int64_t at_t = 0, at_a = 0;
   for (size_t b = 0; b < kinds.size(); ++b) {
     const at::Tensor* t = blocks.data() + at_t;
-    const int64_t* q = qtypes.data() + 2 * b;
-    rms_norm_rows(xp, t[0].data_ptr<float>(), up, M, dm, feps);
+    const int64_t* q = qtypes.data() + kQtypes * b;
+    rms_norm_rows(xp, t[kNorm].data_ptr<float>(), up, M, dm, feps);
     switch (kinds[b]) {
       case kConv:
         conv_block(xp, u, t, q, M, dm);
@@ -342,10 +385,12 @@ at::Tensor hybrid_step(const at::Tensor& x_in, at::IntArrayRef kinds, at::Tensor
         ++at_a;
         break;
       default: {
-        const at::Tensor zxbcdt = product(u, t[1], q[0]);
-        at::Tensor window = t[9], h = t[10];
-        const at::Tensor y = step::mixer(zxbcdt, window, t[2], t[3], t[4], t[5], t[6], t[7], h, n_group, eps);
-        step::add_product(xp, y, t[8], q[1]);
+        const at::Tensor zxbcdt = product(u, t[Mamba2Field::IN_PROJ], q[Mamba2Matrix::IN_PROJ]);
+        at::Tensor window = t[Mamba2Field::WINDOW], h = t[Mamba2Field::H];
+        const at::Tensor y = step::mixer(zxbcdt, window, t[Mamba2Field::CONV_WEIGHT], t[Mamba2Field::CONV_BIAS],
+                                         t[Mamba2Field::DT_BIAS], t[Mamba2Field::A], t[Mamba2Field::D],
+                                         t[Mamba2Field::SSM_NORM], h, n_group, eps);
+        step::add_product(xp, y, t[Mamba2Field::OUT_PROJ], q[Mamba2Matrix::OUT_PROJ]);
       }
     }
     at_t += kTensors[kinds[b]];

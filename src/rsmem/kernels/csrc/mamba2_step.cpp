@@ -10,9 +10,9 @@
 //     the token, as llama.cpp's ssm_scan), then the gated group RMS norm of y with z. Heads are shared
 //     between rsmem's product workers (pool.h), so the state update (196,608 floats a layer at 130M) reads
 //     and writes each state row once, on both cores.
-//   mamba2_step(x [M, d_model], layers: 11 tensors a layer (norm, in_proj, conv_weight, conv_bias,
-//       dt_bias, A, D, ssm_norm, out_proj, window [M, ...], h [M, H, P, N]), qtypes [2 a layer: in_proj,
-//       out_proj], norm_f, head, head_qtype, n_group, eps) -> logits [M, n_vocab]
+//   mamba2_step(x [M, d_model], layers: 11 tensors a layer (Mamba2Field: norm, in_proj, conv_weight, conv_bias,
+//       dt_bias, A, D, ssm_norm, out_proj, window [M, ...], h [M, H, P, N]), qtypes [2 a layer (Mamba2Matrix):
+//       in_proj, out_proj], norm_f, head, head_qtype, n_group, eps) -> logits [M, n_vocab]
 //     the whole step: per layer the pre-norm, in_proj, the mixer, out_proj and the residual; then the final
 //     norm and the head. A matrix of qtype -1 is float32 [out, in] with contiguous rows (the few-row kernel,
 //     rows_kernel.h); another qtype is blocks for rsmem_native::qmatmul (Q8_0, Q4_K, ..., F16, BF16).
@@ -35,6 +35,8 @@ using step::check_f32;
 using step::check_mixer;
 using step::mixer;
 using step::check_matrix;
+using step::Mamba2Field;
+using step::Mamba2Matrix;
 using step::product;
 using step::rms_norm_rows;
 using step::softplus;
@@ -53,13 +55,15 @@ at::Tensor mamba2_mixer_one_(const at::Tensor& zxbcdt, at::Tensor& window, const
   return mixer(zxbcdt, window, conv_weight, conv_bias, dt_bias, A, D, ssm_norm, h, n_group, eps);
 }
 
-constexpr int64_t kLayerTensors = 11;
+constexpr int64_t kLayerTensors = Mamba2Field::N_FIELDS;
+constexpr int64_t kQtypes = Mamba2Matrix::N_MATRICES;
 
 at::Tensor mamba2_step(const at::Tensor& x_in, at::TensorList layers, at::IntArrayRef qtypes,
                        const at::Tensor& norm_f, const at::Tensor& head, int64_t head_qtype, int64_t n_group,
                        double eps) {
-  TORCH_CHECK_VALUE(layers.size() % kLayerTensors == 0 && qtypes.size() * kLayerTensors == 2 * layers.size(),
-                    "mamba2 step: 11 tensors and 2 qtypes a layer, got ", layers.size(), " and ", qtypes.size());
+  TORCH_CHECK_VALUE(layers.size() % kLayerTensors == 0 && qtypes.size() * kLayerTensors == kQtypes * layers.size(),
+                    "mamba2 step: ", kLayerTensors, " tensors and ", kQtypes, " qtypes a layer, got ", layers.size(),
+                    " and ", qtypes.size());
   TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1,
                     "mamba2 step: x must be float32 [M, d_model], got ", x_in.sizes());
   const int64_t M = x_in.size(0), dm = x_in.size(1);
@@ -67,12 +71,15 @@ at::Tensor mamba2_step(const at::Tensor& x_in, at::TensorList layers, at::IntArr
   // every layer's operands first: a bad one is an error before any state is written
   for (int64_t il = 0; il < n_layer; ++il) {
     const at::Tensor* t = layers.data() + il * kLayerTensors;
-    check_f32(kOp, t[0], dm, "norm");
-    TORCH_CHECK_VALUE(t[10].dim() == 4 && t[10].size(0) == M, "mamba2 step: h must be [", M,
-                      ", H, P, N], got ", t[10].sizes());
-    const int64_t width = check_mixer(kOp, t[9], t[2], t[3], t[4], t[5], t[6], t[7], t[10], n_group);
-    check_matrix(kOp, t[1], qtypes[2 * il], width, dm, "in_proj");
-    check_matrix(kOp, t[8], qtypes[2 * il + 1], dm, t[10].size(1) * t[10].size(2), "out_proj");
+    const int64_t* q = qtypes.data() + il * kQtypes;
+    const at::Tensor& h = t[Mamba2Field::H];
+    check_f32(kOp, t[Mamba2Field::NORM], dm, "norm");
+    TORCH_CHECK_VALUE(h.dim() == 4 && h.size(0) == M, "mamba2 step: h must be [", M, ", H, P, N], got ", h.sizes());
+    const int64_t width = check_mixer(kOp, t[Mamba2Field::WINDOW], t[Mamba2Field::CONV_WEIGHT],
+                                      t[Mamba2Field::CONV_BIAS], t[Mamba2Field::DT_BIAS], t[Mamba2Field::A],
+                                      t[Mamba2Field::D], t[Mamba2Field::SSM_NORM], h, n_group);
+    check_matrix(kOp, t[Mamba2Field::IN_PROJ], q[Mamba2Matrix::IN_PROJ], width, dm, "in_proj");
+    check_matrix(kOp, t[Mamba2Field::OUT_PROJ], q[Mamba2Matrix::OUT_PROJ], dm, h.size(1) * h.size(2), "out_proj");
   }
   check_f32(kOp, norm_f, dm, "norm_f");
   TORCH_CHECK_VALUE(head.dim() == 2, "mamba2 step: head must be a matrix, got ", head.sizes());
@@ -84,11 +91,14 @@ at::Tensor mamba2_step(const at::Tensor& x_in, at::TensorList layers, at::IntArr
   float *xp = x.data_ptr<float>(), *up = u.data_ptr<float>();
   for (int64_t il = 0; il < n_layer; ++il) {
     const at::Tensor* t = layers.data() + il * kLayerTensors;
-    rms_norm_rows(xp, t[0].data_ptr<float>(), up, M, dm, feps);
-    const at::Tensor zxbcdt = product(u, t[1], qtypes[2 * il]);
-    at::Tensor window = t[9], h = t[10];
-    const at::Tensor y = mixer(zxbcdt, window, t[2], t[3], t[4], t[5], t[6], t[7], h, n_group, eps);
-    step::add_product(xp, y, t[8], qtypes[2 * il + 1]);
+    const int64_t* q = qtypes.data() + il * kQtypes;
+    rms_norm_rows(xp, t[Mamba2Field::NORM].data_ptr<float>(), up, M, dm, feps);
+    const at::Tensor zxbcdt = product(u, t[Mamba2Field::IN_PROJ], q[Mamba2Matrix::IN_PROJ]);
+    at::Tensor window = t[Mamba2Field::WINDOW], h = t[Mamba2Field::H];
+    const at::Tensor y = mixer(zxbcdt, window, t[Mamba2Field::CONV_WEIGHT], t[Mamba2Field::CONV_BIAS],
+                               t[Mamba2Field::DT_BIAS], t[Mamba2Field::A], t[Mamba2Field::D], t[Mamba2Field::SSM_NORM],
+                               h, n_group, eps);
+    step::add_product(xp, y, t[Mamba2Field::OUT_PROJ], q[Mamba2Matrix::OUT_PROJ]);
   }
   rms_norm_rows(xp, norm_f.data_ptr<float>(), up, M, dm, feps);
   return product(u, head, head_qtype);

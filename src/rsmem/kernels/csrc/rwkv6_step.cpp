@@ -6,7 +6,7 @@
 //       emb_norm, emb_norm_b, norm_f_b, slices, n_slices) -> logits [M, n_vocab]
 // (the matrices' forms and `slices` as in rwkv7_step.cpp)
 //
-// A layer's tensors are rsmem.models.step.wkv_fused.RWKV6_FIELDS in order, then its token-shift rows
+// A layer's tensors (Rwkv6Field) are rsmem.models.step.operands.RWKV6_FIELDS, then its token-shift rows
 // [M, 2, C] and WKV state [M, H, N(k), N(v)], both updated in place:
 //   attn_norm, attn_norm_b, ffn_norm, ffn_norm_b, lerp_x, lerp [5, C] (w, k, v, r, g), w1 [5 E, C],
 //   w2 [5, C, E], decay, decay_w1 [Ed, C], decay_w2 [C, Ed], first (u) [C], receptance, key, value, gate,
@@ -41,31 +41,55 @@ using step::sigmoid;
 using step::silu;
 
 constexpr const char* kOp = "rwkv6 step";
-constexpr int64_t kLayerTensors = 26;
-constexpr int64_t kQtypes = 8;
+
+// A layer's operands, named as rsmem.models.step.operands.RWKV6's (step_common.h)
+struct Rwkv6Field {
+  enum : int64_t {
+    ATTN_NORM, ATTN_NORM_B, FFN_NORM, FFN_NORM_B, LERP_X, LERP, W1, W2, DECAY, DECAY_W1, DECAY_W2, FIRST,
+    RECEPTANCE, KEY, VALUE, GATE, OUTPUT, LN_X, LN_X_B, FFN_LERP_K, FFN_LERP_R, FFN_KEY, FFN_VALUE,
+    FFN_RECEPTANCE, SHIFT, WKV, N_FIELDS
+  };
+};
+struct Rwkv6Matrix {
+  enum : int64_t { RECEPTANCE, KEY, VALUE, GATE, OUTPUT, FFN_KEY, FFN_VALUE, FFN_RECEPTANCE, N_MATRICES };
+};
+constexpr int64_t kLayerTensors = Rwkv6Field::N_FIELDS;
+constexpr int64_t kQtypes = Rwkv6Matrix::N_MATRICES;
 constexpr float kGroupNormEps = 64e-5f;
 
 void check_layer(const at::Tensor* t, const int64_t* q, int64_t M, int64_t C, int64_t H, const step::Slices& sl,
                  int64_t j) {
   const int64_t N = C / H;
-  for (int i : {0, 1, 2, 3, 4, 8, 11, 17, 18, 19, 20}) check_f32(kOp, t[i], C, "a layer's vector");
-  check_f32(kOp, t[5], 5 * C, "lerp");
-  step::check_lora(kOp, t[6], -1, C, "w1");
-  TORCH_CHECK_VALUE(t[6].size(0) % 5 == 0, kOp, ": w1 must have 5 E rows, got ", t[6].sizes());
-  const int64_t E = t[6].size(0) / 5;
-  check_f32(kOp, t[7], 5 * C * E, "w2");
-  step::check_lora(kOp, t[9], -1, C, "decay_w1");
-  step::check_lora(kOp, t[10], C, t[9].size(0), "decay_w2");
-  const char* names[] = {"receptance", "key", "value", "gate", "output"};
-  for (int i = 0; i < 5; ++i) check_matrix(kOp, t[12 + i], q[i], C, C, names[i], sl.of(j + i));
-  TORCH_CHECK_VALUE(t[22].dim() == 2 && t[22].size(0) == C, kOp, ": ffn_value must be [", C, ", F], got ",
-                    t[22].sizes());
-  const int64_t F = t[22].size(1);
-  check_matrix(kOp, t[21], q[5], F, C, "ffn_key", sl.of(j + 5));
-  check_matrix(kOp, t[22], q[6], C, F, "ffn_value", sl.of(j + 6));
-  check_matrix(kOp, t[23], q[7], C, C, "ffn_receptance", sl.of(j + 7));
-  check_f32(kOp, t[24], M * 2 * C, "shift");
-  check_f32(kOp, t[25], M * H * N * N, "wkv");
+  for (int64_t i : {Rwkv6Field::ATTN_NORM, Rwkv6Field::ATTN_NORM_B, Rwkv6Field::FFN_NORM, Rwkv6Field::FFN_NORM_B,
+                    Rwkv6Field::LERP_X, Rwkv6Field::DECAY, Rwkv6Field::FIRST, Rwkv6Field::LN_X, Rwkv6Field::LN_X_B,
+                    Rwkv6Field::FFN_LERP_K, Rwkv6Field::FFN_LERP_R}) {
+    check_f32(kOp, t[i], C, "a layer's vector");
+  }
+  check_f32(kOp, t[Rwkv6Field::LERP], 5 * C, "lerp");
+  const at::Tensor& w1 = t[Rwkv6Field::W1];
+  step::check_lora(kOp, w1, -1, C, "w1");
+  TORCH_CHECK_VALUE(w1.size(0) % 5 == 0, kOp, ": w1 must have 5 E rows, got ", w1.sizes());
+  const int64_t E = w1.size(0) / 5;
+  check_f32(kOp, t[Rwkv6Field::W2], 5 * C * E, "w2");
+  step::check_lora(kOp, t[Rwkv6Field::DECAY_W1], -1, C, "decay_w1");
+  step::check_lora(kOp, t[Rwkv6Field::DECAY_W2], C, t[Rwkv6Field::DECAY_W1].size(0), "decay_w2");
+  auto matrix = [&](int64_t field, int64_t m, int64_t rows, int64_t cols, const char* name) {
+    check_matrix(kOp, t[field], q[m], rows, cols, name, sl.of(j + m));
+  };
+  matrix(Rwkv6Field::RECEPTANCE, Rwkv6Matrix::RECEPTANCE, C, C, "receptance");
+  matrix(Rwkv6Field::KEY, Rwkv6Matrix::KEY, C, C, "key");
+  matrix(Rwkv6Field::VALUE, Rwkv6Matrix::VALUE, C, C, "value");
+  matrix(Rwkv6Field::GATE, Rwkv6Matrix::GATE, C, C, "gate");
+  matrix(Rwkv6Field::OUTPUT, Rwkv6Matrix::OUTPUT, C, C, "output");
+  const at::Tensor& ffn_value = t[Rwkv6Field::FFN_VALUE];
+  TORCH_CHECK_VALUE(ffn_value.dim() == 2 && ffn_value.size(0) == C, kOp, ": ffn_value must be [", C, ", F], got ",
+                    ffn_value.sizes());
+  const int64_t F = ffn_value.size(1);
+  matrix(Rwkv6Field::FFN_KEY, Rwkv6Matrix::FFN_KEY, F, C, "ffn_key");
+  matrix(Rwkv6Field::FFN_VALUE, Rwkv6Matrix::FFN_VALUE, C, F, "ffn_value");
+  matrix(Rwkv6Field::FFN_RECEPTANCE, Rwkv6Matrix::FFN_RECEPTANCE, C, C, "ffn_receptance");
+  check_f32(kOp, t[Rwkv6Field::SHIFT], M * 2 * C, "shift");
+  check_f32(kOp, t[Rwkv6Field::WKV], M * H * N * N, "wkv");
 }
 
 // r, k, v, g of a layer's mixed inputs (w, k, v, r, g: mix [5, M, C]) and the decay's low-rank term dw (tanh
@@ -78,14 +102,18 @@ struct MixProducts {
 MixProducts mix_products(const at::Tensor* t, const int64_t* q, const at::Tensor& mix, const step::Slices& sl,
                          int64_t j) {
   const int64_t M = mix.size(1), C = mix.size(2);
+  const at::Tensor &wr = t[Rwkv6Field::RECEPTANCE], &wk = t[Rwkv6Field::KEY], &wv = t[Rwkv6Field::VALUE];
+  const at::Tensor &wg = t[Rwkv6Field::GATE], &decay_w1 = t[Rwkv6Field::DECAY_W1], &decay_w2 = t[Rwkv6Field::DECAY_W2];
+  const int64_t qr = q[Rwkv6Matrix::RECEPTANCE], qk = q[Rwkv6Matrix::KEY], qv = q[Rwkv6Matrix::VALUE];
+  const int64_t qg = q[Rwkv6Matrix::GATE];
   MixProducts o;
-  if (M >= step::kLowRankRows || q[0] != -1 || q[1] != -1 || q[2] != -1 || q[3] != -1) {
+  if (M >= step::kLowRankRows || qr != -1 || qk != -1 || qv != -1 || qg != -1) {
     auto part = [&](int i) { return mix[i]; };  // [M, C]
-    o.r = product(part(3), t[12], q[0], sl.of(j + 0));
-    o.k = product(part(1), t[13], q[1], sl.of(j + 1));
-    o.v = product(part(2), t[14], q[2], sl.of(j + 2));
-    o.g = product(part(4), t[15], q[3], sl.of(j + 3));
-    o.dw = lora(step::map_(lora(part(0), t[9]), step::tanh_), t[10]);
+    o.r = product(part(3), wr, qr, sl.of(j + Rwkv6Matrix::RECEPTANCE));
+    o.k = product(part(1), wk, qk, sl.of(j + Rwkv6Matrix::KEY));
+    o.v = product(part(2), wv, qv, sl.of(j + Rwkv6Matrix::VALUE));
+    o.g = product(part(4), wg, qg, sl.of(j + Rwkv6Matrix::GATE));
+    o.dw = lora(step::map_(lora(part(0), decay_w1), step::tanh_), decay_w2);
     return o;
   }
   const float* xp = mix.data_ptr<float>();
@@ -93,11 +121,10 @@ MixProducts mix_products(const at::Tensor* t, const int64_t* q, const at::Tensor
   auto job = [&](int i, const at::Tensor& w, const at::Tensor& y) {
     return rows::Job{xp + i * M * C, C, w.data_ptr<float>(), w.stride(0), w.size(0), C, y.data_ptr<float>()};
   };
-  o.r = out(t[12]), o.k = out(t[13]), o.v = out(t[14]), o.g = out(t[15]);
-  const at::Tensor w1 = out(t[9]);
-  rows::products({job(3, t[12], o.r), job(1, t[13], o.k), job(2, t[14], o.v), job(4, t[15], o.g), job(0, t[9], w1)},
-                 M);
-  o.dw = lora(step::map_(w1, step::tanh_), t[10]);
+  o.r = out(wr), o.k = out(wk), o.v = out(wv), o.g = out(wg);
+  const at::Tensor w1 = out(decay_w1);
+  rows::products({job(3, wr, o.r), job(1, wk, o.k), job(2, wv, o.v), job(4, wg, o.g), job(0, decay_w1, w1)}, M);
+  o.dw = lora(step::map_(w1, step::tanh_), decay_w2);
   return o;
 }
 
@@ -119,7 +146,8 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
                       const at::Tensor& emb_norm_b, const at::Tensor& norm_f_b, at::TensorList slices,
                       int64_t n_slices) {
   TORCH_CHECK_VALUE(layers.size() % kLayerTensors == 0 && qtypes.size() * kLayerTensors == kQtypes * layers.size(),
-                    kOp, ": 26 tensors and 8 qtypes a layer, got ", layers.size(), " and ", qtypes.size());
+                    kOp, ": ", kLayerTensors, " tensors and ", kQtypes, " qtypes a layer, got ", layers.size(), " and ",
+                    qtypes.size());
   TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1, kOp,
                     ": x must be float32 [M, C], got ", x_in.sizes());
   const int64_t M = x_in.size(0), C = x_in.size(1);
@@ -147,20 +175,20 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
   for (int64_t il = 0; il < n_layer; ++il) {
     const at::Tensor* t = layers.data() + il * kLayerTensors;
     const int64_t* q = qtypes.data() + il * kQtypes;
-    auto slices_of = [&](int i) { return sl.of(il * kQtypes + i); };
-    auto vec = [&](int i) { return t[i].data_ptr<float>(); };
-    float* shift = t[24].data_ptr<float>();
-    const float *lerp_x = vec(4), *lerp = vec(5);
+    auto slices_of = [&](int64_t m) { return sl.of(il * kQtypes + m); };
+    auto vec = [&](int64_t i) { return t[i].data_ptr<float>(); };
+    float* shift = t[Rwkv6Field::SHIFT].data_ptr<float>();
+    const float *lerp_x = vec(Rwkv6Field::LERP_X), *lerp = vec(Rwkv6Field::LERP);
     step::each_row(M, 3 * C, [&](int64_t m) {
-      step::layer_norm_row(xp + m * C, vec(0), vec(1), hp + m * C, C, feps);
+      step::layer_norm_row(xp + m * C, vec(Rwkv6Field::ATTN_NORM), vec(Rwkv6Field::ATTN_NORM_B), hp + m * C, C, feps);
       for (int64_t j = 0; j < C; ++j) {
         const int64_t e = m * C + j;
         bp[e] = hp[e] + (shift[m * 2 * C + j] - hp[e]) * lerp_x[j];
       }
     });
-    const at::Tensor mixer = step::map_(lora(base, t[6]), step::tanh_);  // [M, 5 E]
-    const int64_t E = t[6].size(0) / 5;
-    const float *mx = mixer.data_ptr<float>(), *w2 = vec(7);
+    const at::Tensor mixer = step::map_(lora(base, t[Rwkv6Field::W1]), step::tanh_);  // [M, 5 E]
+    const int64_t E = t[Rwkv6Field::W1].size(0) / 5;
+    const float *mx = mixer.data_ptr<float>(), *w2 = vec(Rwkv6Field::W2);
     // each (row, mixed input) a unit of work shared between rsmem's workers (one sequence's five are too)
     pool::parallel_for(0, M * 5, std::max<int64_t>(1, step::kRowWorkGrain / (C * E)), [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1; ++u) {
@@ -179,7 +207,7 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     });
     const MixProducts mixed = mix_products(t, q, mix, sl, il * kQtypes);
     const at::Tensor &r = mixed.r, &k = mixed.k, &v = mixed.v, &g = mixed.g, &dw = mixed.dw;
-    const float *dwp = dw.data_ptr<float>(), *decay = vec(8);
+    const float *dwp = dw.data_ptr<float>(), *decay = vec(Rwkv6Field::DECAY);
     step::each_row(M, 8 * C, [&](int64_t m) {
       int64_t j = 0;
 #if defined(__AVX512F__)
@@ -190,9 +218,9 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
 #endif
       for (; j < C; ++j) wp[m * C + j] = std::exp(-std::exp(decay[j] + dwp[m * C + j]));
     });
-    wkv6(t[25].data_ptr<float>(), r.data_ptr<float>(), wp, k.data_ptr<float>(), v.data_ptr<float>(), vec(11), yp,
-         M, H, N);
-    const float *ln_w = vec(17), *ln_b = vec(18);
+    wkv6(vec(Rwkv6Field::WKV), r.data_ptr<float>(), wp, k.data_ptr<float>(), v.data_ptr<float>(),
+         vec(Rwkv6Field::FIRST), yp, M, H, N);
+    const float *ln_w = vec(Rwkv6Field::LN_X), *ln_b = vec(Rwkv6Field::LN_X_B);
     float* gp = g.data_ptr<float>();
     step::each_row(M, 4 * C, [&](int64_t m) {
       for (int64_t hh = 0; hh < H; ++hh) {
@@ -219,12 +247,12 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         }
       }
     });
-    step::add_product(xp, y, t[16], q[4], slices_of(4));
+    step::add_product(xp, y, t[Rwkv6Field::OUTPUT], q[Rwkv6Matrix::OUTPUT], slices_of(Rwkv6Matrix::OUTPUT));
     // the channel mix; the shift rows take this token's normed inputs
-    const float *lerp_k = vec(19), *lerp_r = vec(20);
+    const float *lerp_k = vec(Rwkv6Field::FFN_LERP_K), *lerp_r = vec(Rwkv6Field::FFN_LERP_R);
     step::each_row(M, 4 * C, [&](int64_t m) {
       float* prev = shift + m * 2 * C;
-      step::layer_norm_row(xp + m * C, vec(2), vec(3), fp + m * C, C, feps);
+      step::layer_norm_row(xp + m * C, vec(Rwkv6Field::FFN_NORM), vec(Rwkv6Field::FFN_NORM_B), fp + m * C, C, feps);
       for (int64_t j = 0; j < C; ++j) {
         const int64_t e = m * C + j;
         const float sx = prev[C + j] - fp[e];
@@ -234,14 +262,16 @@ at::Tensor rwkv6_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         prev[C + j] = fp[e];
       }
     });
-    const at::Tensor rf = product(fr, t[23], q[7], slices_of(7));
-    at::Tensor kf = product(fk, t[21], q[5], slices_of(5));
+    const at::Tensor rf = product(fr, t[Rwkv6Field::FFN_RECEPTANCE], q[Rwkv6Matrix::FFN_RECEPTANCE],
+                                  slices_of(Rwkv6Matrix::FFN_RECEPTANCE));
+    at::Tensor kf = product(fk, t[Rwkv6Field::FFN_KEY], q[Rwkv6Matrix::FFN_KEY], slices_of(Rwkv6Matrix::FFN_KEY));
     float* kfp = kf.data_ptr<float>();
     const int64_t F = kf.size(1);
     step::each_row(M, F, [&](int64_t m) {
       for (int64_t e = m * F; e < (m + 1) * F; ++e) kfp[e] = kfp[e] > 0.f ? kfp[e] * kfp[e] : 0.f;
     });
-    const at::Tensor out = product(kf, t[22], q[6], slices_of(6));
+    const at::Tensor out =
+        product(kf, t[Rwkv6Field::FFN_VALUE], q[Rwkv6Matrix::FFN_VALUE], slices_of(Rwkv6Matrix::FFN_VALUE));
     const float *op = out.data_ptr<float>(), *rfp = rf.data_ptr<float>();
     const bool halve = rescale_every > 0 && (il + 1) % rescale_every == 0;
     step::each_row(M, 8 * C, [&](int64_t m) {

@@ -5,7 +5,7 @@
 //       ffn_key, ffn_value], norm_f, head, head_qtype, eps, n_head, emb_norm, emb_norm_b, norm_f_b,
 //       slices, n_slices) -> logits [M, n_vocab]
 //
-// A layer's tensors are rsmem.models.step.wkv_fused.RWKV7_FIELDS in order, then its token-shift rows
+// A layer's tensors (Rwkv7Field) are rsmem.models.step.operands.RWKV7_FIELDS, then its token-shift rows
 // [M, 2, C] and WKV state [M, H, N(v), N(k)], both updated in place:
 //   attn_norm, attn_norm_b, ffn_norm, ffn_norm_b, lerp [6, C] (r, w, k, v, a, g), w0, w1 [Lw, C], w2 [C, Lw],
 //   a0, a1, a2, v0, v1, v2, g1, g2, k_k, k_a, r_k, receptance, key, value, output, ln_x, ln_x_b,
@@ -45,37 +45,60 @@ using step::product;
 using step::sigmoid;
 
 constexpr const char* kOp = "rwkv7 step";
-constexpr int64_t kLayerTensors = 30;
-constexpr int64_t kQtypes = 6;
+
+// A layer's operands, named as rsmem.models.step.operands.RWKV7's (step_common.h)
+struct Rwkv7Field {
+  enum : int64_t {
+    ATTN_NORM, ATTN_NORM_B, FFN_NORM, FFN_NORM_B, LERP, W0, W1, W2, A0, A1, A2, V0, V1, V2, G1, G2, K_K, K_A, R_K,
+    RECEPTANCE, KEY, VALUE, OUTPUT, LN_X, LN_X_B, FFN_LERP_K, FFN_KEY, FFN_VALUE, SHIFT, WKV, N_FIELDS
+  };
+};
+struct Rwkv7Matrix {
+  enum : int64_t { RECEPTANCE, KEY, VALUE, OUTPUT, FFN_KEY, FFN_VALUE, N_MATRICES };
+};
+constexpr int64_t kLayerTensors = Rwkv7Field::N_FIELDS;
+constexpr int64_t kQtypes = Rwkv7Matrix::N_MATRICES;
 constexpr float kGroupNormEps = 64e-5f;
 constexpr float kDecayScale = 0.606531f;
-constexpr int kMatrix[kQtypes] = {19, 20, 21, 22, 26, 27};
 
 void check_layer(const at::Tensor* t, const int64_t* q, bool first, int64_t M, int64_t C, int64_t H,
                  const step::Slices& sl, int64_t j) {
   const int64_t N = C / H;
-  for (int i : {0, 1, 2, 3, 5, 8, 16, 17, 18, 23, 24, 25}) check_f32(kOp, t[i], C, "a layer's vector");
-  check_f32(kOp, t[4], 6 * C, "lerp");
-  const char* loras[] = {"w", "a", "v", "g"};
-  const int first_of[] = {6, 9, 12, 14};
-  for (int l = 0; l < 4; ++l) {
-    if (l == 2 && first) continue;  // the first layer's value-residual mix is not read
-    const at::Tensor& down = t[first_of[l]];
-    step::check_lora(kOp, down, -1, C, loras[l]);
-    step::check_lora(kOp, t[first_of[l] + 1], C, down.size(0), loras[l]);
+  for (int64_t i : {Rwkv7Field::ATTN_NORM, Rwkv7Field::ATTN_NORM_B, Rwkv7Field::FFN_NORM, Rwkv7Field::FFN_NORM_B,
+                    Rwkv7Field::W0, Rwkv7Field::A0, Rwkv7Field::K_K, Rwkv7Field::K_A, Rwkv7Field::R_K, Rwkv7Field::LN_X,
+                    Rwkv7Field::LN_X_B, Rwkv7Field::FFN_LERP_K}) {
+    check_f32(kOp, t[i], C, "a layer's vector");
   }
-  if (!first) check_f32(kOp, t[11], C, "v0");
-  check_matrix(kOp, t[19], q[0], C, C, "receptance", sl.of(j + 0));
-  check_matrix(kOp, t[20], q[1], C, C, "key", sl.of(j + 1));
-  check_matrix(kOp, t[21], q[2], C, C, "value", sl.of(j + 2));
-  check_matrix(kOp, t[22], q[3], C, C, "output", sl.of(j + 3));
-  TORCH_CHECK_VALUE(t[27].dim() == 2 && t[27].size(0) == C, kOp, ": ffn_value must be [", C, ", F], got ",
-                    t[27].sizes());
-  const int64_t F = t[27].size(1);
-  check_matrix(kOp, t[26], q[4], F, C, "ffn_key", sl.of(j + 4));
-  check_matrix(kOp, t[27], q[5], C, F, "ffn_value", sl.of(j + 5));
-  check_f32(kOp, t[28], M * 2 * C, "shift");
-  check_f32(kOp, t[29], M * H * N * N, "wkv");
+  check_f32(kOp, t[Rwkv7Field::LERP], 6 * C, "lerp");
+  // each low-rank pair: its name, its first factor and its second
+  struct LowRank {
+    const char* name;
+    int64_t down, up;
+  };
+  for (const LowRank& l :
+       {LowRank{"w", Rwkv7Field::W1, Rwkv7Field::W2}, LowRank{"a", Rwkv7Field::A1, Rwkv7Field::A2},
+        LowRank{"v", Rwkv7Field::V1, Rwkv7Field::V2}, LowRank{"g", Rwkv7Field::G1, Rwkv7Field::G2}}) {
+    if (l.down == Rwkv7Field::V1 && first) continue;  // the first layer's value-residual mix is not read
+    const at::Tensor& down = t[l.down];
+    step::check_lora(kOp, down, -1, C, l.name);
+    step::check_lora(kOp, t[l.up], C, down.size(0), l.name);
+  }
+  if (!first) check_f32(kOp, t[Rwkv7Field::V0], C, "v0");
+  auto matrix = [&](int64_t field, int64_t m, int64_t rows, int64_t cols, const char* name) {
+    check_matrix(kOp, t[field], q[m], rows, cols, name, sl.of(j + m));
+  };
+  matrix(Rwkv7Field::RECEPTANCE, Rwkv7Matrix::RECEPTANCE, C, C, "receptance");
+  matrix(Rwkv7Field::KEY, Rwkv7Matrix::KEY, C, C, "key");
+  matrix(Rwkv7Field::VALUE, Rwkv7Matrix::VALUE, C, C, "value");
+  matrix(Rwkv7Field::OUTPUT, Rwkv7Matrix::OUTPUT, C, C, "output");
+  const at::Tensor& ffn_value = t[Rwkv7Field::FFN_VALUE];
+  TORCH_CHECK_VALUE(ffn_value.dim() == 2 && ffn_value.size(0) == C, kOp, ": ffn_value must be [", C, ", F], got ",
+                    ffn_value.sizes());
+  const int64_t F = ffn_value.size(1);
+  matrix(Rwkv7Field::FFN_KEY, Rwkv7Matrix::FFN_KEY, F, C, "ffn_key");
+  matrix(Rwkv7Field::FFN_VALUE, Rwkv7Matrix::FFN_VALUE, C, F, "ffn_value");
+  check_f32(kOp, t[Rwkv7Field::SHIFT], M * 2 * C, "shift");
+  check_f32(kOp, t[Rwkv7Field::WKV], M * H * N * N, "wkv");
 }
 
 // the WKV update and readout of every (sequence, head): S [N(v), N(k)]
@@ -104,16 +127,18 @@ struct MixProducts {
 MixProducts mix_products(const at::Tensor* t, const int64_t* q, const at::Tensor& mix, bool first,
                          const step::Slices& sl, int64_t j) {
   const int64_t M = mix.size(1), C = mix.size(2);
+  const at::Tensor &wr = t[Rwkv7Field::RECEPTANCE], &wk = t[Rwkv7Field::KEY], &wv = t[Rwkv7Field::VALUE];
+  const int64_t qr = q[Rwkv7Matrix::RECEPTANCE], qk = q[Rwkv7Matrix::KEY], qv = q[Rwkv7Matrix::VALUE];
   MixProducts o;
-  if (M >= step::kLowRankRows || q[0] != -1 || q[1] != -1 || q[2] != -1) {
+  if (M >= step::kLowRankRows || qr != -1 || qk != -1 || qv != -1) {
     auto part = [&](int i) { return mix[i]; };  // [M, C]
-    o.r = product(part(0), t[19], q[0], sl.of(j + 0));
-    o.k = product(part(2), t[20], q[1], sl.of(j + 1));
-    o.v = product(part(3), t[21], q[2], sl.of(j + 2));
-    o.dw = lora(step::map_(lora(part(1), t[6]), step::tanh_), t[7]);
-    o.da = lora(lora(part(4), t[9]), t[10]);
-    o.g = lora(step::map_(lora(part(5), t[14]), sigmoid), t[15]);
-    if (!first) o.dv = lora(lora(part(3), t[12]), t[13]);
+    o.r = product(part(0), wr, qr, sl.of(j + Rwkv7Matrix::RECEPTANCE));
+    o.k = product(part(2), wk, qk, sl.of(j + Rwkv7Matrix::KEY));
+    o.v = product(part(3), wv, qv, sl.of(j + Rwkv7Matrix::VALUE));
+    o.dw = lora(step::map_(lora(part(1), t[Rwkv7Field::W1]), step::tanh_), t[Rwkv7Field::W2]);
+    o.da = lora(lora(part(4), t[Rwkv7Field::A1]), t[Rwkv7Field::A2]);
+    o.g = lora(step::map_(lora(part(5), t[Rwkv7Field::G1]), sigmoid), t[Rwkv7Field::G2]);
+    if (!first) o.dv = lora(lora(part(3), t[Rwkv7Field::V1]), t[Rwkv7Field::V2]);
     return o;
   }
   // Few rows of plain matrices: r, k, v beside the low-rank first factors in one parallel region, then the
@@ -126,23 +151,27 @@ MixProducts mix_products(const at::Tensor* t, const int64_t* q, const at::Tensor
     return rows::Job{x, w.size(1), w.data_ptr<float>(), w.stride(0), w.size(0), w.size(1), y.data_ptr<float>()};
   };
   auto input = [&](int i) { return xp + i * M * C; };
-  o.r = out(t[19]), o.k = out(t[20]), o.v = out(t[21]);
-  at::Tensor w1 = out(t[6]), a1 = out(t[9]), g1 = out(t[14]), v1;
-  std::vector<rows::Job> jobs = {job(input(0), t[19], o.r), job(input(2), t[20], o.k), job(input(3), t[21], o.v),
-                                 job(input(1), t[6], w1),   job(input(4), t[9], a1),   job(input(5), t[14], g1)};
+  o.r = out(wr), o.k = out(wk), o.v = out(wv);
+  at::Tensor w1 = out(t[Rwkv7Field::W1]), a1 = out(t[Rwkv7Field::A1]), g1 = out(t[Rwkv7Field::G1]), v1;
+  std::vector<rows::Job> jobs = {job(input(0), wr, o.r),
+                                 job(input(2), wk, o.k),
+                                 job(input(3), wv, o.v),
+                                 job(input(1), t[Rwkv7Field::W1], w1),
+                                 job(input(4), t[Rwkv7Field::A1], a1),
+                                 job(input(5), t[Rwkv7Field::G1], g1)};
   if (!first) {
-    v1 = out(t[12]);
-    jobs.push_back(job(input(3), t[12], v1));
+    v1 = out(t[Rwkv7Field::V1]);
+    jobs.push_back(job(input(3), t[Rwkv7Field::V1], v1));
   }
   rows::products(jobs, M);
   step::map_(w1, step::tanh_);
   step::map_(g1, sigmoid);
-  o.dw = out(t[7]), o.da = out(t[10]), o.g = out(t[15]);
-  jobs = {job(w1.data_ptr<float>(), t[7], o.dw), job(a1.data_ptr<float>(), t[10], o.da),
-          job(g1.data_ptr<float>(), t[15], o.g)};
+  o.dw = out(t[Rwkv7Field::W2]), o.da = out(t[Rwkv7Field::A2]), o.g = out(t[Rwkv7Field::G2]);
+  jobs = {job(w1.data_ptr<float>(), t[Rwkv7Field::W2], o.dw), job(a1.data_ptr<float>(), t[Rwkv7Field::A2], o.da),
+          job(g1.data_ptr<float>(), t[Rwkv7Field::G2], o.g)};
   if (!first) {
-    o.dv = out(t[13]);
-    jobs.push_back(job(v1.data_ptr<float>(), t[13], o.dv));
+    o.dv = out(t[Rwkv7Field::V2]);
+    jobs.push_back(job(v1.data_ptr<float>(), t[Rwkv7Field::V2], o.dv));
   }
   rows::products(jobs, M);
   return o;
@@ -153,7 +182,8 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
                       int64_t n_head, const at::Tensor& emb_norm, const at::Tensor& emb_norm_b,
                       const at::Tensor& norm_f_b, at::TensorList slices, int64_t n_slices) {
   TORCH_CHECK_VALUE(layers.size() % kLayerTensors == 0 && qtypes.size() * kLayerTensors == kQtypes * layers.size(),
-                    kOp, ": 30 tensors and 6 qtypes a layer, got ", layers.size(), " and ", qtypes.size());
+                    kOp, ": ", kLayerTensors, " tensors and ", kQtypes, " qtypes a layer, got ", layers.size(), " and ",
+                    qtypes.size());
   TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1, kOp,
                     ": x must be float32 [M, C], got ", x_in.sizes());
   const int64_t M = x_in.size(0), C = x_in.size(1);
@@ -184,14 +214,14 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
   for (int64_t il = 0; il < n_layer; ++il) {
     const at::Tensor* t = layers.data() + il * kLayerTensors;
     const int64_t* q = qtypes.data() + il * kQtypes;
-    auto vec = [&](int i) { return t[i].data_ptr<float>(); };
-    auto slices_of = [&](int i) { return sl.of(il * kQtypes + i); };
-    float* shift = t[28].data_ptr<float>();
-    const float* lerp = vec(4);
+    auto vec = [&](int64_t i) { return t[i].data_ptr<float>(); };
+    auto slices_of = [&](int64_t m) { return sl.of(il * kQtypes + m); };
+    float* shift = t[Rwkv7Field::SHIFT].data_ptr<float>();
+    const float* lerp = vec(Rwkv7Field::LERP);
     step::each_row(M, 8 * C, [&](int64_t m) {
       float* hm = hp + m * C;
       const float* prev = shift + m * 2 * C;
-      step::layer_norm_row(xp + m * C, vec(0), vec(1), hm, C, feps);
+      step::layer_norm_row(xp + m * C, vec(Rwkv7Field::ATTN_NORM), vec(Rwkv7Field::ATTN_NORM_B), hm, C, feps);
       for (int i = 0; i < 6; ++i) {
         float* out = mp + (i * M + m) * C;
         for (int64_t j = 0; j < C; ++j) out[j] = hm[j] + (prev[j] - hm[j]) * lerp[i * C + j];
@@ -202,9 +232,11 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
     const at::Tensor dw = mixed.dw, da = mixed.da, g = mixed.g, dv = mixed.dv;
     float *rp = r.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
     const float *dwp = dw.data_ptr<float>(), *dap = da.data_ptr<float>();
-    const float *w0 = vec(5), *a0 = vec(8), *k_k = vec(16), *k_a = vec(17), *r_k = vec(18);
+    const float *w0 = vec(Rwkv7Field::W0), *a0 = vec(Rwkv7Field::A0), *k_k = vec(Rwkv7Field::K_K);
+    const float *k_a = vec(Rwkv7Field::K_A), *r_k = vec(Rwkv7Field::R_K);
     if (il == 0) v_first = v.clone();
-    const float *dvp = il > 0 ? dv.data_ptr<float>() : nullptr, *v0 = vec(11), *vf = v_first.data_ptr<float>();
+    const float *dvp = il > 0 ? dv.data_ptr<float>() : nullptr, *v0 = vec(Rwkv7Field::V0);
+    const float* vf = v_first.data_ptr<float>();
     // per row: the decay, the in-context rate, the value residual, kk and the key's update
     step::each_row(M, 6 * C, [&](int64_t m) {
       int64_t j = 0;
@@ -239,8 +271,8 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         for (int64_t j = 0; j < N; ++j) kp[off + j] *= 1.f + (ap[off + j] - 1.f) * k_a[hh * N + j];
       }
     });
-    wkv7(t[29].data_ptr<float>(), rp, wp, kp, vp, kkp, ap, yp, M, H, N);
-    const float *ln_w = vec(23), *ln_b = vec(24), *gp = g.data_ptr<float>();
+    wkv7(vec(Rwkv7Field::WKV), rp, wp, kp, vp, kkp, ap, yp, M, H, N);
+    const float *ln_w = vec(Rwkv7Field::LN_X), *ln_b = vec(Rwkv7Field::LN_X_B), *gp = g.data_ptr<float>();
     step::each_row(M, 4 * C, [&](int64_t m) {
       for (int64_t hh = 0; hh < H; ++hh) {
         const int64_t off = m * C + hh * N;
@@ -257,14 +289,14 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         }
       }
     });
-    step::add_product(xp, y, t[22], q[3], slices_of(3));
+    step::add_product(xp, y, t[Rwkv7Field::OUTPUT], q[Rwkv7Matrix::OUTPUT], slices_of(Rwkv7Matrix::OUTPUT));
     // the channel mix; the shift rows take this token's normed inputs
     at::Tensor f = at::empty({M, C}, opts), fk = at::empty({M, C}, opts);
     float *fp = f.data_ptr<float>(), *fkp = fk.data_ptr<float>();
-    const float* lerp_k = vec(25);
+    const float* lerp_k = vec(Rwkv7Field::FFN_LERP_K);
     step::each_row(M, 4 * C, [&](int64_t m) {
       float* prev = shift + m * 2 * C;
-      step::layer_norm_row(xp + m * C, vec(2), vec(3), fp + m * C, C, feps);
+      step::layer_norm_row(xp + m * C, vec(Rwkv7Field::FFN_NORM), vec(Rwkv7Field::FFN_NORM_B), fp + m * C, C, feps);
       for (int64_t j = 0; j < C; ++j) {
         const int64_t e = m * C + j;
         fkp[e] = fp[e] + (prev[C + j] - fp[e]) * lerp_k[j];
@@ -272,13 +304,13 @@ at::Tensor rwkv7_step(const at::Tensor& x_in, at::TensorList layers, at::IntArra
         prev[C + j] = fp[e];
       }
     });
-    at::Tensor kf = product(fk, t[26], q[4], slices_of(4));
+    at::Tensor kf = product(fk, t[Rwkv7Field::FFN_KEY], q[Rwkv7Matrix::FFN_KEY], slices_of(Rwkv7Matrix::FFN_KEY));
     float* kfp = kf.data_ptr<float>();
     const int64_t F = kf.size(1);
     step::each_row(M, F, [&](int64_t m) {
       for (int64_t e = m * F; e < (m + 1) * F; ++e) kfp[e] = kfp[e] > 0.f ? kfp[e] * kfp[e] : 0.f;
     });
-    step::add_product(xp, kf, t[27], q[5], slices_of(5));
+    step::add_product(xp, kf, t[Rwkv7Field::FFN_VALUE], q[Rwkv7Matrix::FFN_VALUE], slices_of(Rwkv7Matrix::FFN_VALUE));
   }
   layer_norm_rows(xp, norm_f.data_ptr<float>(), norm_f_b.data_ptr<float>(), hp, M, C, feps);
   return product(h, head, head_qtype, sl.of(n_layer * kQtypes));

@@ -26,6 +26,20 @@
 namespace rsmem {
 namespace step {
 
+// A step's layer operands are named by two enums, <Name>Field over its tensors and <Name>Matrix over the qtypes of
+// its matrices, each in the order and with the names (upper-cased) of rsmem.models.step.operands'
+// StepOperands("<Name>") (tests/kernels/test_step_operands.py compares them); each enum is held in a struct so
+// that its names stay scoped while indexing as integers.
+
+// Mamba-2's layer (mamba2_step, hybrid_step's Mamba-2 block): window [M, conv_dim, K-1] and h [M, H, P, N] are its
+// states, updated in place
+struct Mamba2Field {
+  enum : int64_t { NORM, IN_PROJ, CONV_WEIGHT, CONV_BIAS, DT_BIAS, A, D, SSM_NORM, OUT_PROJ, WINDOW, H, N_FIELDS };
+};
+struct Mamba2Matrix {
+  enum : int64_t { IN_PROJ, OUT_PROJ, N_MATRICES };
+};
+
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }

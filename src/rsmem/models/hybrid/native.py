@@ -37,12 +37,22 @@ from rsmem.models.step.native import (
     difference,
     native_matrix,
 )
+from rsmem.models.step.operands import ATTENTION_BLOCK, CONV_BLOCK, MLP_BLOCK
+from rsmem.models.step.operands import MAMBA2 as MAMBA2_LAYER
 
-CONV, SWIGLU, RELU2, ATTENTION, MAMBA2 = range(5)  # the op's block kinds
-N_TENSORS = {CONV: 5, SWIGLU: 3, RELU2: 3, ATTENTION: 7, MAMBA2: 11}
-MATRICES = {CONV: (1, 3), SWIGLU: (1, 2), RELU2: (1, 2), ATTENTION: (1, 4), MAMBA2: (1, 8)}
+CONV, SWIGLU, RELU2, ATTENTION, MAMBA2 = range(5)  # the op's block kinds (hybrid_step.cpp's Kind)
+# each kind's tensors in the op's order
+OPERANDS = {
+    CONV: CONV_BLOCK,
+    SWIGLU: MLP_BLOCK,
+    RELU2: MLP_BLOCK,
+    ATTENTION: ATTENTION_BLOCK,
+    MAMBA2: MAMBA2_LAYER,
+}
+N_TENSORS = {kind: ops.n_fields for kind, ops in OPERANDS.items()}
+MATRICES = {kind: ops.matrix_positions for kind, ops in OPERANDS.items()}
 # a block's tensors filled each step: its layer's states (window; window and h) or KV rows (keys, values)
-FILLED = {CONV: (4,), SWIGLU: (), RELU2: (), ATTENTION: (5, 6), MAMBA2: (9, 10)}
+FILLED = {kind: ops.state_positions for kind, ops in OPERANDS.items()}
 NONE = torch.empty(0)  # an absent q/k norm or RoPE table
 
 

@@ -29,6 +29,7 @@ from rsmem.models.step.fused import (
     token_step,
 )
 from rsmem.models.step.native import NativeStep
+from rsmem.models.step.operands import MAMBA
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,7 @@ class MambaModel(MambaFamilyModel):
     """
 
     arch = "mamba"
-    matrices = ("in_proj", "x_proj", "out_proj")
+    matrices = MAMBA.matrices
 
     def __init__(
         self,
@@ -134,18 +135,14 @@ class MambaModel(MambaFamilyModel):
         self._scan_block_many = CompiledStep(mamba_scan_block, batch_args=(0, 1, 2, 4, 5))
 
     def layer_one(self) -> tuple[Callable[..., torch.Tensor], int, tuple[float | int, ...]]:
-        return mamba_layer_one_, 12, (self.config.eps, self.config.dt_rank, self.config.d_state)
+        return mamba_layer_one_, MAMBA.n_fields, (self.config.eps, self.config.dt_rank, self.config.d_state)
 
     def layer_many(self) -> Callable[..., torch.Tensor]:
         return mamba_layer_many_
 
     def native_step(self) -> NativeStep:
         layer_fn, n_fields, consts = self.layer_one()
-        return NativeStep("mamba_step", token_step(layer_fn, n_fields, consts), n_fields, (1, 4, 9), consts)
+        return NativeStep("mamba_step", token_step(layer_fn, n_fields, consts), MAMBA, consts)
 
     def layer_args(self, layer: MambaLayer, operand: Callable[[Matrix], Any]) -> tuple[Any, ...]:
-        ly = layer
-        return (
-            ly.norm, operand(ly.in_proj), ly.conv_weight, ly.conv_bias, operand(ly.x_proj), ly.dt_proj,
-            ly.dt_bias, ly.A, ly.D, operand(ly.out_proj),
-        )  # fmt: skip
+        return MAMBA.of(layer, operand)

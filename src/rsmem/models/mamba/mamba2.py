@@ -24,6 +24,7 @@ from rsmem.models.ops.ssd import ssd_chunked_at_
 from rsmem.models.step.compiled import GLUE_MIN_CHUNK, CompileSetting
 from rsmem.models.step.fused import mamba2_layer_many_, mamba2_layer_one_, token_step
 from rsmem.models.step.native import NativeStep
+from rsmem.models.step.operands import MAMBA2
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,7 @@ class Mamba2Model(MambaFamilyModel):
     """A Mamba-2 language model implementing :class:`~rsmem.models.protocol.RecurrentModel`."""
 
     arch = "mamba2"
-    matrices = ("in_proj", "out_proj")
+    matrices = MAMBA2.matrices
     # the glue on the calling thread: a loaded server gains, and no decode loses. Mamba keeps inductor's
     # default: with this threshold its batched scan kernels would run on one thread and its wide steps slow
     glue_min_chunk = GLUE_MIN_CHUNK
@@ -142,18 +143,14 @@ class Mamba2Model(MambaFamilyModel):
         return self.linear(y, layer.out_proj), None if windows_at is None else (windows_at, h_at)
 
     def layer_one(self) -> tuple[Callable[..., torch.Tensor], int, tuple[float | int, ...]]:
-        return mamba2_layer_one_, 11, (self.config.n_group, self.config.eps)
+        return mamba2_layer_one_, MAMBA2.n_fields, (self.config.n_group, self.config.eps)
 
     def layer_many(self) -> Callable[..., torch.Tensor]:
         return mamba2_layer_many_
 
     def native_step(self) -> NativeStep:
         layer_fn, n_fields, consts = self.layer_one()
-        return NativeStep("mamba2_step", token_step(layer_fn, n_fields, consts), n_fields, (1, 8), consts)
+        return NativeStep("mamba2_step", token_step(layer_fn, n_fields, consts), MAMBA2, consts)
 
     def layer_args(self, layer: Mamba2Layer, operand: Callable[[Matrix], Any]) -> tuple[Any, ...]:
-        ly = layer
-        return (
-            ly.norm, operand(ly.in_proj), ly.conv_weight, ly.conv_bias, ly.dt_bias, ly.A, ly.D, ly.ssm_norm,
-            operand(ly.out_proj),
-        )  # fmt: skip
+        return MAMBA2.of(layer, operand)

@@ -27,7 +27,8 @@ from rsmem.models.protocol import StateAccess
 from rsmem.models.rwkv.base import GROUP_NORM_EPS, RwkvModelBase, batch_args, state_args, token_shift
 from rsmem.models.step.compiled import CompiledStep
 from rsmem.models.step.native import NativeStep
-from rsmem.models.step.wkv_fused import N6_PER_LAYER, RWKV6_FIELDS, rwkv6_token_one_
+from rsmem.models.step.operands import RWKV6
+from rsmem.models.step.wkv_fused import N6_PER_LAYER, rwkv6_token_one_
 from rsmem.models.step.wkv_many import MANY_OPTIONS, rwkv6_token_many_
 
 
@@ -104,7 +105,7 @@ class Rwkv6Model(RwkvModelBase):
     """An RWKV-6 language model implementing :class:`~rsmem.models.protocol.RecurrentModel` (float32)."""
 
     arch = "rwkv6"
-    matrices = ("receptance", "key", "value", "gate", "output", "ffn_key", "ffn_value", "ffn_receptance")
+    matrices = RWKV6.matrices
     layer_cls = Rwkv6Layer
     config: Rwkv6Config
     layers: list[Rwkv6Layer]
@@ -143,12 +144,11 @@ class Rwkv6Model(RwkvModelBase):
                 *flat,
             )
 
-        matrices = tuple(RWKV6_FIELDS.index(name) for name in self.matrices)
         consts = (cfg.eps, cfg.n_head, cfg.rescale_every_n_layers, emb_norm, emb_norm_b, norm_f_b)
-        return NativeStep("rwkv6_step", twin, N6_PER_LAYER, matrices, consts, sliced=True)
+        return NativeStep("rwkv6_step", twin, RWKV6, consts, sliced=True)
 
     def step_fields(self, ly: Rwkv6Layer, operand: Callable[[torch.Tensor], Any]) -> list[Any]:
-        return [operand(getattr(ly, n)) if n in self.matrices else getattr(ly, n) for n in RWKV6_FIELDS]
+        return list(RWKV6.of(ly, operand))
 
     def step_consts(self) -> tuple[float | int, ...]:
         cfg = self.config

@@ -34,7 +34,8 @@ from rsmem.models.rwkv.base import (
 )
 from rsmem.models.step.compiled import CompiledStep
 from rsmem.models.step.native import NativeStep
-from rsmem.models.step.wkv_fused import N_PER_LAYER, RWKV7_FIELDS, rwkv7_token_one_
+from rsmem.models.step.operands import RWKV7
+from rsmem.models.step.wkv_fused import N_PER_LAYER, rwkv7_token_one_
 from rsmem.models.step.wkv_many import MANY_OPTIONS, rwkv7_token_many_
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ class Rwkv7Model(RwkvModelBase):
     """An RWKV-7 language model implementing :class:`~rsmem.models.protocol.RecurrentModel` (float32)."""
 
     arch = "rwkv7"
-    matrices: ClassVar[tuple[str, ...]] = ("receptance", "key", "value", "output", "ffn_key", "ffn_value")
+    matrices: ClassVar[tuple[str, ...]] = RWKV7.matrices
     layer_cls: ClassVar[type[Any]] = Rwkv7Layer
     config: Rwkv7Config
     layers: list[Rwkv7Layer]
@@ -152,13 +153,12 @@ class Rwkv7Model(RwkvModelBase):
         def twin(x: torch.Tensor, norm_f: torch.Tensor, head: Any, eps: float, *flat: Any) -> torch.Tensor:
             return rwkv7_token_one_(x, emb_norm, emb_norm_b, norm_f, norm_f_b, head, eps, n_head, *flat)
 
-        matrices = tuple(RWKV7_FIELDS.index(name) for name in self.matrices)
         consts = (self.config.eps, n_head, emb_norm, emb_norm_b, norm_f_b)
-        return NativeStep("rwkv7_step", twin, N_PER_LAYER, matrices, consts, span=2, sliced=True)
+        return NativeStep("rwkv7_step", twin, RWKV7, consts, span=2, sliced=True)
 
     def step_fields(self, ly: Rwkv7Layer, operand: Callable[[torch.Tensor], Any]) -> list[Any]:
         fields = []
-        for name in RWKV7_FIELDS:
+        for name in RWKV7.weights:
             t = getattr(ly, name)
             if t is None:  # the first layer's unused value-residual mix
                 t = {"v0": ly.a0, "v1": ly.a1, "v2": ly.a2}[name]

@@ -33,6 +33,7 @@ from rsmem.kernels.build import loaded_native_ops
 from rsmem.models.ops.quantized import QuantMatrix
 from rsmem.models.step.fused import SmallRows
 from rsmem.models.step.memo import same_objects
+from rsmem.models.step.operands import StepOperands
 from rsmem.models.step.packed import PACK_ROWS
 
 # The first call's check (one layer of each kind at a time): logits and states within this of the twin's,
@@ -133,28 +134,29 @@ class NativeStep:
     """The decode step of up to :data:`MAX_ROWS` sequences through the op ``rsmem_native.<op>``.
 
     ``twin``: the compiled step's function, ``(x, norm_f, head, eps, *flat)`` with ``flat`` each layer's
-    ``n_fields`` tensors (its two states last); ``matrices``: the positions among them of the matrices the
-    op takes with a qtype each; ``consts``: the op's arguments after the head's qtype; ``span``: the layers
-    the first call's check runs together (2 where a layer differs from the first, as RWKV-7's value-residual
-    mix); ``sliced``: the op takes ``slices`` and ``n_slices`` after ``consts`` (:data:`SLICED_F32`), and from
-    :data:`SLICED_FROM_ROWS` rows gets every float32 matrix that way (the slices made at that first call,
-    one a thread: a copy of those matrices).
+    tensors as ``operands`` names them (its two states last: ``n_fields`` a layer, the matrices the op
+    takes with a qtype each at positions ``matrices``); ``consts``: the op's arguments after the head's
+    qtype; ``span``: the layers the first call's check runs together (2 where a layer differs from the
+    first, as RWKV-7's value-residual mix); ``sliced``: the op takes ``slices`` and ``n_slices`` after
+    ``consts`` (:data:`SLICED_F32`), and from :data:`SLICED_FROM_ROWS` rows gets every float32 matrix that
+    way (the slices made at that first call, one a thread: a copy of those matrices).
     """
 
     def __init__(
         self,
         op: str,
         twin: Callable[..., torch.Tensor],
-        n_fields: int,
-        matrices: tuple[int, ...],
+        operands: StepOperands,
         consts: tuple[Any, ...],
         span: int = 1,
         sliced: bool = False,
     ) -> None:
         self.op = op
         self.twin = twin
-        self.n_fields = n_fields
-        self.matrices = matrices
+        self.n_fields = operands.n_fields
+        self.matrices = operands.matrix_positions
+        if operands.state_positions != (self.n_fields - 2, self.n_fields - 1):
+            raise ValueError(f"{operands.name}: a layer's two states must end its operands")
         self.consts = consts
         self.span = span
         self.takes_slices = sliced  # the op's last two arguments (none for the other ops)

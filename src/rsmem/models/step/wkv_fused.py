@@ -3,7 +3,7 @@
 (:func:`~rsmem.models.step.fused.gemv`), the WKV update written elementwise so that inductor fuses it.
 
 ``rwkv7_token_one_(x, emb_norm, emb_norm_b, norm_f, norm_f_b, lm_head, eps, n_head, *flat)``: ``x`` the
-token's embedding row ``[1, C]``; ``flat`` holds, per layer, the :data:`RWKV7_FIELDS` tensors (the first
+token's embedding row ``[1, C]``; ``flat`` holds, per layer, the ``RWKV7_FIELDS`` tensors (the first
 layer's unused ``v0, v1, v2`` may be any tensors of their shapes) followed by its token-shift rows
 ``[1, 2, C]`` and WKV state ``[1, H, N, N]``, both updated in place. Returns the logits ``[1, n_vocab]``.
 
@@ -16,13 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from rsmem.models.step.fused import SmallRows, gemv, matmul_rows
+from rsmem.models.step.operands import RWKV6, RWKV7
 
-RWKV7_FIELDS = (
-    "attn_norm", "attn_norm_b", "ffn_norm", "ffn_norm_b", "lerp", "w0", "w1", "w2", "a0", "a1", "a2",
-    "v0", "v1", "v2", "g1", "g2", "k_k", "k_a", "r_k", "receptance", "key", "value", "output", "ln_x",
-    "ln_x_b", "ffn_lerp_k", "ffn_key", "ffn_value",
-)  # fmt: skip
-N_PER_LAYER = len(RWKV7_FIELDS) + 2  # then shift, wkv
+N_PER_LAYER = RWKV7.n_fields  # RWKV7_FIELDS, then shift, wkv
 GROUP_NORM_EPS = 64e-5
 DECAY_SCALE = 0.606531
 
@@ -99,12 +95,7 @@ def rwkv7_token_one_(
 
 # ---------------------------------------------------------------------------------------------- RWKV-6
 
-RWKV6_FIELDS = (
-    "attn_norm", "attn_norm_b", "ffn_norm", "ffn_norm_b", "lerp_x", "lerp", "w1", "w2", "decay", "decay_w1",
-    "decay_w2", "first", "receptance", "key", "value", "gate", "output", "ln_x", "ln_x_b", "ffn_lerp_k",
-    "ffn_lerp_r", "ffn_key", "ffn_value", "ffn_receptance",
-)  # fmt: skip
-N6_PER_LAYER = len(RWKV6_FIELDS) + 2  # then shift, wkv
+N6_PER_LAYER = RWKV6.n_fields  # RWKV6_FIELDS, then shift, wkv
 
 
 def _rwkv6_time_mix_one(x: torch.Tensor, prev: torch.Tensor, n_head: int, *t: torch.Tensor) -> torch.Tensor:
@@ -140,7 +131,7 @@ def rwkv6_token_one_(
     rescale_every: int,
     *flat: torch.Tensor,
 ) -> torch.Tensor:
-    """:func:`rwkv7_token_one_` for RWKV-6 (per layer the :data:`RWKV6_FIELDS`, then shift and state),
+    """:func:`rwkv7_token_one_` for RWKV-6 (per layer the ``RWKV6_FIELDS``, then shift and state),
     halving the residual after every ``rescale_every``-th layer (0: never)."""
     c = x.shape[-1]
     x = F.layer_norm(x, (c,), emb_norm, emb_norm_b, eps)
