@@ -35,7 +35,10 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
 ATOL = 1e-5
 COMPILE = [
     False,
-    pytest.param(True, marks=pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="no C++")),
+    pytest.param(
+        True,
+        marks=[pytest.mark.compiled, pytest.mark.skipif(not compiled.has_cxx_compiler(), reason="no C++")],
+    ),
 ]
 
 
@@ -179,6 +182,7 @@ def test_several_sequences_and_small_micro_batches(arch: str, compile_decode: bo
         assert_same_state(ckpt, fresh(m, prompts[s][:n]))
 
 
+@pytest.mark.compiled
 def test_one_token_micro_batches_capture_the_state_after_them() -> None:
     """3. One-token decodes (the compiled step with compile on): the capture is the cell's state."""
     m = model("mamba2", compiled.has_cxx_compiler())

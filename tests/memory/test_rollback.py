@@ -487,6 +487,7 @@ def test_rollback_history_needs_a_positive_k() -> None:
 # ---------------------------------------------------------------------------------------- compiled
 
 
+@pytest.mark.compiled
 @needs_cxx
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_compiled_steps_roll_back_exactly(arch: str) -> None:
