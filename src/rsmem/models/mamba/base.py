@@ -23,7 +23,7 @@ from rsmem.models.protocol import StateAccess
 from rsmem.models.step.compiled import ONE_THREAD_GLUE, CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.step.fused import RowsOperand, token_step, token_step_many
 from rsmem.models.step.memo import StepMemo
-from rsmem.models.step.native import NativeStep
+from rsmem.models.step.native import DecodePath, NativeStep, decode_path
 from rsmem.models.step.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.step.small_rows import SmallRows, many_operand, one_operand
 
@@ -255,11 +255,8 @@ class MambaFamilyModel:
         tokens = ubatch.token_tensor()  # [Bs, L]
         n_seqs, n_tokens = tokens.shape
         at = capture.points if capture is not None else ()
-        if n_tokens == 1 and not at:
-            if self._rows_contiguous and self._native is not None and self._native.usable(n_seqs):
-                return self.decode_forward(tokens[:, 0], ubatch, states)
-            if self.compile_decode and (n_seqs > 1 or self._rows_contiguous):
-                return self.decode_forward(tokens[:, 0], ubatch, states)
+        if n_tokens == 1 and not at and self.decode_path(n_seqs) != "layers":
+            return self.decode_forward(tokens[:, 0], ubatch, states)
         x = embed(self.embedding, tokens)  # [Bs, L, d_model], a fresh tensor: the residual adds in place
         for il, layer in enumerate(self.layers):
             r, s = states.read_states(il)
@@ -279,7 +276,7 @@ class MambaFamilyModel:
         n_seqs = x.shape[0]
         rows = [states.read_states(il) for il in range(self.n_layer)]
         native, logits = self._native, None
-        if native is not None and native.usable(n_seqs) and self._rows_contiguous:
+        if native is not None and self.decode_path(n_seqs) == "native":
             head, weights = self.one_sequence_args()
             flat = self.step_flat(weights, rows)
             if native.accepts(head, flat) and native.check(x, self.norm_f, head, eps, flat):
@@ -295,6 +292,17 @@ class MambaFamilyModel:
         if len(wanted) == n_seqs:
             return logits
         return logits.index_select(0, torch.tensor(wanted, dtype=torch.long, device=logits.device))
+
+    def decode_path(self, n_seqs: int) -> DecodePath:
+        """:func:`~rsmem.models.step.native.decode_path` of this model: its C++ step runs with or without
+        compiling."""
+        return decode_path(
+            self._native,
+            n_seqs,
+            compiled=self.compile_decode,
+            rows_contiguous=self._rows_contiguous,
+            native_without_compile=True,
+        )
 
     def step_flat(
         self, weights: list[tuple[Any, ...]], rows: list[tuple[torch.Tensor, torch.Tensor]]

@@ -25,7 +25,7 @@ from rsmem.models.protocol import StateAccess
 from rsmem.models.step.compiled import CompiledStep, CompileSetting, resolve_compile
 from rsmem.models.step.fused import RowsOperand
 from rsmem.models.step.memo import StepMemo
-from rsmem.models.step.native import NativeStep
+from rsmem.models.step.native import DecodePath, NativeStep, decode_path
 from rsmem.models.step.packed import HeldMatrices
 from rsmem.models.step.small_rows import SmallRows, many_operand, one_operand
 from rsmem.models.step.wkv_many import MANY_OPTIONS
@@ -254,6 +254,17 @@ class RwkvModelBase:
 
         return self._flat_memo.get((fields, *rows), build)
 
+    def decode_path(self, n_seqs: int) -> DecodePath:
+        """:func:`~rsmem.models.step.native.decode_path` of this model: its C++ step runs only where the
+        steps are compiled (which takes contiguous rows)."""
+        return decode_path(
+            self._native,
+            n_seqs,
+            compiled=self.compile_decode,
+            rows_contiguous=self._rows_contiguous,
+            native_without_compile=False,
+        )
+
     def decode_one(self, token: torch.Tensor, states: StateAccess) -> torch.Tensor | None:
         """One token of one sequence through the compiled step; None (nothing written) when the state rows
         are not float32."""
@@ -281,7 +292,7 @@ class RwkvModelBase:
         x = self.embedding[tokens]
         logits = None
         native = self._native
-        if native is not None and native.usable(x.shape[0]):  # the C++ step takes the one-sequence operands
+        if native is not None and self.decode_path(x.shape[0]) == "native":  # on the one-sequence operands
             flat, head = self.step_flat(self._fields_one, rows), self._head_one
             if native.accepts(head, flat) and native.check(x, self.norm_f, head, cfg.eps, flat):
                 logits = native.run(x, self.norm_f, head, cfg.eps, flat)

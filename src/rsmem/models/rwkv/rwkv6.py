@@ -160,7 +160,7 @@ class Rwkv6Model(RwkvModelBase):
         tokens = ubatch.token_tensor()  # [Bs, L]
         n_seqs = tokens.shape[0]
         c = cfg.d_model
-        if self.compile_decode and tokens.shape[1] == 1:
+        if tokens.shape[1] == 1 and self.decode_path(n_seqs) != "layers":
             if n_seqs == 1:
                 logits = self.decode_one(tokens[0], states)
             else:
