@@ -1,8 +1,9 @@
 """``Context``: a model, its recurrent memory, and the decode flow that ties them (llama.cpp's
 ``llama_context`` for recurrent models). A hybrid model (one declaring ``kv_layers``) gets a
-:class:`~rsmem.memory.hybrid.HybridMemory` (a KV cache beside the recurrent memory); ``Context.memory`` is
-typed with what both offer (:class:`~rsmem.memory.protocol.SequenceMemory`), and state bytes take
-llama.cpp's layout for each (:mod:`rsmem.memory.state_io`, :mod:`rsmem.memory.hybrid_state`).
+:class:`~rsmem.memory.hybrid.HybridMemory` (a KV cache beside the recurrent memory; :func:`memory_for`
+chooses); ``Context.memory`` is used only through what both offer
+(:class:`~rsmem.memory.protocol.SequenceMemory`), and state bytes are the memory's own (``state_write`` /
+``state_read``, llama.cpp's layout for each) in :mod:`rsmem.memory.state_io`'s framing.
 
 ``decode(batch)``: the allocator validates and fills the batch, the memory plans its micro-batches in a
 dry run, then each micro-batch is placed (``apply``) and run through the model; the logits of the
@@ -25,7 +26,7 @@ import torch
 from rsmem.batch.allocator import BatchAllocator
 from rsmem.batch.batch import Batch, UBatch
 from rsmem.errors import InvalidBatchError, NoSlotError
-from rsmem.memory import hybrid_state, state_io
+from rsmem.memory import state_io
 from rsmem.memory.capture import (
     CaptureKey,
     CaptureRequest,
@@ -44,6 +45,40 @@ from rsmem.memory.recurrent import RecurrentMemory, StateShape
 from rsmem.memory.rollback import ScratchState
 from rsmem.models.protocol import RecurrentModel
 from rsmem.threads import prompt_threads
+
+
+def memory_for(
+    model: RecurrentModel,
+    n_seq_max: int,
+    *,
+    state_dtype: torch.dtype,
+    device: torch.device | str,
+    n_rs_seq: int,
+    n_ctx: int,
+    kv_unified: bool,
+    kv_dtype: torch.dtype,
+) -> SequenceMemory:
+    """The memory of ``model``: a :class:`HybridMemory` for a model with attention layers (``kv_layers``),
+    else a :class:`RecurrentMemory`; the KV parameters are the hybrid's (see :class:`Context`)."""
+    if isinstance(getattr(model, "kv_layers", None), Mapping):
+        return HybridMemory.for_model(
+            cast(HybridLayout, model),
+            n_seq_max,
+            n_ctx=n_ctx,
+            kv_unified=kv_unified,
+            state_dtype=state_dtype,
+            kv_dtype=kv_dtype,
+            device=device,
+            n_rs_seq=n_rs_seq,
+        )
+    return RecurrentMemory(
+        StateShape(model.n_layer, model.n_embd_r, model.n_embd_s),
+        n_seq_max,
+        dtype=state_dtype,
+        device=device,
+        layer_filter=model.is_recurrent_layer,
+        n_rs_seq=n_rs_seq,
+    )
 
 
 class Context:
@@ -72,28 +107,16 @@ class Context:
         self.model = model
         self.n_batch = n_batch
         self.n_ubatch = min(n_ubatch, n_batch)
-        self.memory: SequenceMemory
-        if isinstance(getattr(model, "kv_layers", None), Mapping):  # a hybrid: attention layers in a KV cache
-            # state bytes in llama.cpp's hybrid layout (rsmem.memory.hybrid_state)
-            self.memory = HybridMemory.for_model(
-                cast(HybridLayout, model),
-                n_seq_max,
-                n_ctx=n_ctx,
-                kv_unified=kv_unified,
-                state_dtype=state_dtype,
-                kv_dtype=kv_dtype,
-                device=device,
-                n_rs_seq=n_rs_seq,
-            )
-        else:
-            self.memory = RecurrentMemory(
-                StateShape(model.n_layer, model.n_embd_r, model.n_embd_s),
-                n_seq_max,
-                dtype=state_dtype,
-                device=device,
-                layer_filter=model.is_recurrent_layer,
-                n_rs_seq=n_rs_seq,
-            )
+        self.memory: SequenceMemory = memory_for(
+            model,
+            n_seq_max,
+            state_dtype=state_dtype,
+            device=device,
+            n_rs_seq=n_rs_seq,
+            n_ctx=n_ctx,
+            kv_unified=kv_unified,
+            kv_dtype=kv_dtype,
+        )
         if self.memory.rollback is not None:
             self.memory.rollback.bind(self._replay, self.n_ubatch)
         self._balloc = BatchAllocator()
@@ -113,7 +136,7 @@ class Context:
     def max_seq_tokens(self) -> int | None:
         """The most positions one sequence can hold: a hybrid model's KV cells per sequence (all of them
         when unified, shared with the other sequences); None when nothing bounds it (a recurrent memory)."""
-        return self.memory.kv_cells_per_seq if isinstance(self.memory, HybridMemory) else None
+        return self.memory.kv_cells_per_seq
 
     @property
     def n_rs_seq(self) -> int:
@@ -141,7 +164,8 @@ class Context:
         (its checkpoints carry a KV prefix): ``capture`` raises ValueError there, before anything runs.
         """
         check_codec(capture_codec)
-        if capture and not isinstance(self.memory, RecurrentMemory):
+        cells = self.memory.capture_memory() if capture else None
+        if capture and cells is None:
             raise ValueError("captures need a recurrent memory (on a hybrid: end the chunk, checkpoint.take)")
         self._captured = {}
         balloc = self._balloc
@@ -160,9 +184,9 @@ class Context:
                 while True:
                     mctx.apply()
                     ub = mctx.ubatch
-                    plan = plan_ubatch(ub, capture) if capture else None
+                    plan = plan_ubatch(ub, capture) if capture and cells is not None else None
                     with prompt_threads(ub.n_seq_tokens):  # more threads beside a busy process
-                        for sub, ub_logits in self._forward(ub, mctx, plan, capture_codec, captured):
+                        for sub, ub_logits in self._forward(ub, mctx, cells, plan, capture_codec, captured):
                             rows = [output_row[sub.batch_index[i]] for i in sub.output_rows()]
                             if rows:
                                 parts.append((rows, ub_logits))
@@ -195,36 +219,30 @@ class Context:
         self,
         ub: UBatch,
         states: MemoryBatch,
+        cells: RecurrentMemory | None,
         plan: UBatchPlan | None,
         codec: str,
         captured: dict[CaptureKey, Checkpoint],
     ) -> Iterator[tuple[UBatch, torch.Tensor]]:
         """Run one placed micro-batch (as slices for a model that cannot capture ``plan``'s inner points),
-        yielding each part and its logits; adds the checkpoints of ``plan`` to ``captured``."""
-        if plan is None:
+        yielding each part and its logits; adds the checkpoints of ``plan``, read from ``cells``, to
+        ``captured``."""
+        if plan is None or cells is None:
             yield ub, self.model.forward(ub, states)
             return
         inner = plan.inner()
         if inner and accepts_capture(self.model):
-            sink = UBatchCapture(self._recurrent(), [plan.points[i] for i in inner], codec)
+            sink = UBatchCapture(cells, [plan.points[i] for i in inner], codec)
             yield ub, self.model.forward(ub, states, capture=sink)  # type: ignore[call-arg]
             for i, ckpt in zip(inner, sink.checkpoints([plan.pos[i] for i in inner]), strict=True):
                 captured.update(dict.fromkeys(plan.keys[i], ckpt))
-            self._take_ending(ub, plan, ub.n_seq_tokens - 1, codec, captured)
+            _take_ending(cells, ub, plan, ub.n_seq_tokens - 1, codec, captured)
             return
         end = 0
         for part in column_slices(ub, [plan.points[i][1] for i in inner]):
             yield part, self.model.forward(part, states)
             end += part.n_seq_tokens
-            self._take_ending(ub, plan, end - 1, codec, captured)
-
-    def _take_ending(
-        self, ub: UBatch, plan: UBatchPlan, t: int, codec: str, captured: dict[CaptureKey, Checkpoint]
-    ) -> None:
-        """Add the checkpoints of ``plan``'s points after token ``t``, which the cells hold now."""
-        for i in plan.ending_at(t):
-            ckpt = take_at(self._recurrent(), ub, plan.points[i][0], plan.pos[i], codec)
-            captured.update(dict.fromkeys(plan.keys[i], ckpt))
+            _take_ending(cells, ub, plan, end - 1, codec, captured)
 
     def captured(self) -> dict[CaptureKey, Checkpoint]:
         """The checkpoints the last :meth:`decode` captured, by ``(seq_id, n)`` as requested (only those
@@ -254,34 +272,23 @@ class Context:
         return self._logits[row]
 
     # --------------------------------------------------------- state saving
-    # A recurrent memory's bytes are framed by rsmem.memory.state_io, a hybrid's by rsmem.memory.hybrid_state
-    # (llama.cpp's hybrid layout: the KV part, then the recurrent payload); the files are llama.cpp's.
-
-    def _recurrent(self) -> RecurrentMemory:
-        if not isinstance(self.memory, RecurrentMemory):
-            raise TypeError(f"{type(self.memory).__name__} is not a recurrent memory")
-        return self.memory
+    # The memory writes and reads its own state bytes (state_write / state_read: a hybrid's KV part, then the
+    # recurrent payload); rsmem.memory.state_io frames them as llama.cpp's blobs and files.
 
     def state_seq_get_data(self, seq_id: int) -> bytes:
         """One sequence's state as bytes (``llama_state_seq_get_data``)."""
-        if isinstance(self.memory, HybridMemory):
-            return hybrid_state.seq_blob(self.memory, seq_id)
-        return state_io.seq_blob(self._recurrent(), seq_id)
+        return state_io.seq_blob(self.memory, seq_id)
 
     def state_seq_get_size(self, seq_id: int) -> int:
         return len(self.state_seq_get_data(seq_id))
 
     def state_seq_set_data(self, data: bytes, dest_seq_id: int) -> int:
         """Restore a sequence blob into ``dest_seq_id``; returns bytes read. Raises StateFormatError."""
-        if isinstance(self.memory, HybridMemory):
-            return hybrid_state.load_seq_blob(self.memory, data, dest_seq_id)
-        return state_io.load_seq_blob(self._recurrent(), data, dest_seq_id)
+        return state_io.load_seq_blob(self.memory, data, dest_seq_id)
 
     def state_seq_file_bytes(self, seq_id: int, tokens: list[int]) -> bytes:
         """The bytes of a 'ggsq' sequence file of ``seq_id`` with ``tokens``."""
-        if isinstance(self.memory, HybridMemory):
-            return hybrid_state.seq_file_bytes(self.memory, seq_id, list(tokens))
-        return state_io.seq_file_bytes(self._recurrent(), seq_id, list(tokens))
+        return state_io.seq_file_bytes(self.memory, seq_id, list(tokens))
 
     def state_seq_save_file(self, path: str | os.PathLike[str], seq_id: int, tokens: list[int]) -> int:
         """Write a 'ggsq' sequence file (atomically); returns the bytes written."""
@@ -291,35 +298,37 @@ class Context:
         """Restore a 'ggsq' sequence file into ``dest_seq_id``; returns the tokens saved with it."""
         with open(path, "rb") as f:
             data = f.read()
-        if isinstance(self.memory, HybridMemory):
-            return hybrid_state.load_seq_file_bytes(self.memory, data, dest_seq_id, self.n_vocab)
-        return state_io.load_seq_file_bytes(self._recurrent(), data, dest_seq_id, self.n_vocab)
+        return state_io.load_seq_file_bytes(self.memory, data, dest_seq_id, self.n_vocab)
 
     def state_get_data(self) -> bytes:
         """The whole context's state (every sequence) as bytes."""
-        if isinstance(self.memory, HybridMemory):
-            return hybrid_state.context_state_bytes(self.memory, self.model.arch)
-        return state_io.context_state_bytes(self._recurrent(), self.model.arch)
+        return state_io.context_state_bytes(self.memory, self.model.arch)
 
     def state_set_data(self, data: bytes) -> int:
         reader = state_io.Reader(data)
-        if isinstance(self.memory, HybridMemory):
-            hybrid_state.load_context_state(self.memory, reader, self.model.arch)
-        else:
-            state_io.load_context_state(self._recurrent(), reader, self.model.arch)
+        state_io.load_context_state(self.memory, reader, self.model.arch)
         return reader.offset
 
     def state_save_file(self, path: str | os.PathLike[str], tokens: list[int]) -> int:
         """Write a 'ggsn' session file with every sequence's state (atomically)."""
-        if isinstance(self.memory, HybridMemory):
-            data = hybrid_state.session_file_bytes(self.memory, self.model.arch, list(tokens))
-        else:
-            data = state_io.session_file_bytes(self._recurrent(), self.model.arch, list(tokens))
+        data = state_io.session_file_bytes(self.memory, self.model.arch, list(tokens))
         return state_io.atomic_write(path, data)
 
     def state_load_file(self, path: str | os.PathLike[str]) -> list[int]:
         with open(path, "rb") as f:
             data = f.read()
-        if isinstance(self.memory, HybridMemory):
-            return hybrid_state.load_session_file_bytes(self.memory, data, self.model.arch, self.n_vocab)
-        return state_io.load_session_file_bytes(self._recurrent(), data, self.model.arch, self.n_vocab)
+        return state_io.load_session_file_bytes(self.memory, data, self.model.arch, self.n_vocab)
+
+
+def _take_ending(
+    cells: RecurrentMemory,
+    ub: UBatch,
+    plan: UBatchPlan,
+    t: int,
+    codec: str,
+    captured: dict[CaptureKey, Checkpoint],
+) -> None:
+    """Add the checkpoints of ``plan``'s points after token ``t``, which ``cells`` hold now."""
+    for i in plan.ending_at(t):
+        ckpt = take_at(cells, ub, plan.points[i][0], plan.pos[i], codec)
+        captured.update(dict.fromkeys(plan.keys[i], ckpt))

@@ -229,6 +229,10 @@ class HybridMemory:
         streams), or every cell (unified, shared with the other sequences)."""
         return self.kv.size
 
+    def capture_memory(self) -> None:
+        """No captures inside a micro-batch: a checkpoint carries a KV prefix (end the chunk, then take)."""
+        return None
+
     # ---------------------------------------------------- sequence operations
 
     def clear(self, data: bool = True) -> None:
@@ -317,8 +321,11 @@ class HybridMemory:
         state_io.restore_payload(self.recurrent, state.recurrent, dest_seq)
 
     def state_read(self, reader: Reader, dest_seq: int = -1) -> None:
-        """:meth:`parse_state`, then :meth:`install_state`: a failure leaves the memory as it was."""
-        self.install_state(self.parse_state(reader, dest_seq), dest_seq)
+        """:meth:`parse_state`, which must end ``reader``'s data, then :meth:`install_state`: a failure
+        leaves the memory as it was."""
+        state = self.parse_state(reader, dest_seq)
+        reader.expect_end()
+        self.install_state(state, dest_seq)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

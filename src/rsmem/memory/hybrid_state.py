@@ -1,120 +1,45 @@
-"""Hybrid state bytes around :meth:`HybridMemory.state_write` / ``state_read``: the sequence blob, the
-'ggsq' sequence file and the 'ggsn' session file, framed as :mod:`rsmem.memory.state_io` frames the
-recurrent memory's (llama.cpp's ``llama_state_seq_get_data`` / ``llama_state_seq_save_file`` / ...), and the
-recurrent part's parser for states with 0-byte rows.
-
-Each loader reads the whole input and checks it (``expect_end`` included) before anything is installed.
+"""The hybrid memory's recurrent part, read from state bytes: :func:`parse_recurrent`, for states whose
+rows may be 0 bytes wide. The blob, the 'ggsq' sequence file and the 'ggsn' session file around
+:meth:`HybridMemory.state_write` / ``state_read`` are :mod:`rsmem.memory.state_io`'s framing, the same for
+every memory (kept here by name for callers that framed a hybrid's state through this module).
 """
 
 from __future__ import annotations
 
-import struct
 from typing import TYPE_CHECKING
 
 import torch
 
 from rsmem.errors import StateFormatError
 from rsmem.memory import state_io
-from rsmem.memory.state_io import DTYPE_OF_GGML_TYPE, Payload, Reader
+from rsmem.memory.state_io import (
+    DTYPE_OF_GGML_TYPE,
+    Payload,
+    Reader,
+    context_state_bytes,
+    load_context_state,
+    load_seq_blob,
+    load_seq_file_bytes,
+    load_session_file_bytes,
+    seq_blob,
+    seq_file_bytes,
+    session_file_bytes,
+)
 
 if TYPE_CHECKING:
-    from rsmem.memory.hybrid import HybridMemory
     from rsmem.memory.recurrent import RecurrentMemory
 
-
-def seq_blob(memory: HybridMemory, seq_id: int) -> bytes:
-    """``llama_state_seq_get_data``: magic, source seq id, KV part, recurrent part."""
-    return struct.pack("<Ii", state_io.SEQ_BLOB_MAGIC, seq_id) + memory.state_write(seq_id)
-
-
-def load_seq_blob(memory: HybridMemory, data: bytes, dest_seq: int) -> int:
-    """``llama_state_seq_set_data``: restore a blob into ``dest_seq``; returns the bytes read."""
-    memory.require_seq(dest_seq, "state restore")
-    reader = Reader(data)
-    magic = reader.u32("blob magic")
-    if magic != state_io.SEQ_BLOB_MAGIC:
-        raise StateFormatError(f"blob magic is {magic:#010x}, expected {state_io.SEQ_BLOB_MAGIC:#010x}")
-    if reader.i32("source seq id") < 0:
-        raise StateFormatError("source seq id is negative")
-    state = memory.parse_state(reader, dest_seq)
-    reader.expect_end()
-    memory.install_state(state, dest_seq)
-    return reader.offset
-
-
-def _tokens(
-    reader: Reader, magic: int, versions: tuple[int, ...], kind: str, n_vocab: int | None
-) -> list[int]:
-    if reader.u32(f"{kind} magic") != magic:
-        raise StateFormatError(f"not a {kind}: bad magic")
-    version = reader.u32(f"{kind} version")
-    if version not in versions:
-        raise StateFormatError(f"{kind} version {version} is not supported (reads {list(versions)})")
-    n = reader.u32("token count")
-    if n * 4 > len(reader.data) - reader.offset:
-        raise StateFormatError(f"truncated: {n} tokens do not fit in the {kind}")
-    tokens = [int(t) for t in reader.unpack(f"{n}i", "tokens")]
-    for i, t in enumerate(tokens):
-        if n_vocab is not None and not 0 <= t < n_vocab:
-            raise StateFormatError(f"{kind} token {i}: id {t} is outside the vocabulary [0, {n_vocab})")
-    return tokens
-
-
-def seq_file_bytes(memory: HybridMemory, seq_id: int, tokens: list[int]) -> bytes:
-    """``llama_state_seq_save_file``'s bytes: 'ggsq', version 3, tokens, then the state."""
-    head = struct.pack(
-        f"<III{len(tokens)}i", state_io.SEQ_FILE_MAGIC, state_io.SEQ_FILE_VERSION, len(tokens), *tokens
-    )
-    return head + memory.state_write(seq_id)
-
-
-def load_seq_file_bytes(
-    memory: HybridMemory, data: bytes, dest_seq: int, n_vocab: int | None = None
-) -> list[int]:
-    """Restore a sequence file into ``dest_seq``; returns its tokens."""
-    memory.require_seq(dest_seq, "state restore")
-    reader = Reader(data)
-    tokens = _tokens(
-        reader, state_io.SEQ_FILE_MAGIC, state_io.SEQ_FILE_VERSIONS_READ, "sequence state file", n_vocab
-    )
-    state = memory.parse_state(reader, dest_seq)
-    reader.expect_end()
-    memory.install_state(state, dest_seq)
-    return tokens
-
-
-def context_state_bytes(memory: HybridMemory, arch: str) -> bytes:
-    """Whole-context state data (``llama_state_get_data``): arch name, then every sequence's state."""
-    name = arch.encode()
-    return struct.pack("<I", len(name)) + name + memory.state_write(-1)
-
-
-def load_context_state(memory: HybridMemory, reader: Reader, arch: str) -> None:
-    """Restore whole-context state data written by :func:`context_state_bytes` (checked to its end first)."""
-    n = reader.u32("arch name length")
-    name = bytes(reader.take(n, "arch name")).decode(errors="replace")
-    if name != arch:
-        raise StateFormatError(f"state was saved by a {name!r} model, this one is {arch!r}")
-    state = memory.parse_state(reader, -1)
-    reader.expect_end()
-    memory.install_state(state, -1)
-
-
-def session_file_bytes(memory: HybridMemory, arch: str, tokens: list[int]) -> bytes:
-    """'ggsn', version 9, tokens, arch name, then every sequence's state (as ``state_io`` lays it out)."""
-    head = struct.pack(
-        f"<III{len(tokens)}i", state_io.SESSION_MAGIC, state_io.SESSION_VERSION, len(tokens), *tokens
-    )
-    return head + context_state_bytes(memory, arch)
-
-
-def load_session_file_bytes(
-    memory: HybridMemory, data: bytes, arch: str, n_vocab: int | None = None
-) -> list[int]:
-    reader = Reader(data)
-    tokens = _tokens(reader, state_io.SESSION_MAGIC, (state_io.SESSION_VERSION,), "session file", n_vocab)
-    load_context_state(memory, reader, arch)
-    return tokens
+__all__ = [
+    "context_state_bytes",
+    "load_context_state",
+    "load_seq_blob",
+    "load_seq_file_bytes",
+    "load_session_file_bytes",
+    "parse_recurrent",
+    "seq_blob",
+    "seq_file_bytes",
+    "session_file_bytes",
+]
 
 
 def parse_recurrent(reader: Reader, memory: RecurrentMemory, dest_seq: int) -> Payload:

@@ -7,13 +7,14 @@ drives (``apply`` -> model forward -> ``next``) and the state access a model for
 
 "Cells" (``used``, ``size``) count sequence states: one per sequence holding one (shared after
 ``seq_cp``), at most ``n_seq_max``; a hybrid's KV cells are its KV cache's business.
-State bytes are read and written by :mod:`rsmem.memory.state_io` (recurrent) and
-:mod:`rsmem.memory.hybrid_state` (hybrid), which the Context chooses between.
+State bytes are ``llama_memory_i``'s: each memory writes and reads its own (``state_write`` /
+``state_read``), and :mod:`rsmem.memory.state_io` frames them the same way for every memory (blobs,
+'ggsq' and 'ggsn' files).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,6 +22,10 @@ from rsmem.batch.allocator import BatchAllocator
 from rsmem.batch.batch import UBatch
 from rsmem.memory.context import MemoryStatus
 from rsmem.memory.rollback import RollbackHistory
+
+if TYPE_CHECKING:
+    from rsmem.memory.recurrent import RecurrentMemory
+    from rsmem.memory.state_io import Reader
 
 
 class MemoryBatch(Protocol):
@@ -105,6 +110,28 @@ class SequenceMemory(Protocol):
 
     def total_size(self) -> int:
         """Bytes the memory holds for states (and K/V)."""
+        ...
+
+    @property
+    def kv_cells_per_seq(self) -> int | None:
+        """The most positions one sequence can hold in a KV cache (shared with the other sequences when
+        unified); None when nothing bounds it (no KV cache)."""
+        ...
+
+    def capture_memory(self) -> RecurrentMemory | None:
+        """The recurrent memory whose cells a capture inside a micro-batch reads
+        (:mod:`rsmem.memory.capture`); None where captures are not offered."""
+        ...
+
+    def state_write(self, seq_id: int = -1) -> bytes:
+        """One sequence's state bytes (``seq_id >= 0``) or every sequence's (``-1``), as llama.cpp's
+        ``llama_memory_i::state_write`` lays them out."""
+        ...
+
+    def state_read(self, reader: Reader, dest_seq: int = -1) -> None:
+        """Read bytes :meth:`state_write` wrote, which must end ``reader``'s data, into ``dest_seq`` (``-1``:
+        the whole memory). Everything is checked before anything changes: StateFormatError or NoSlotError
+        leaves the memory as it was."""
         ...
 
     def check_invariants(self) -> None: ...

@@ -23,6 +23,7 @@ from rsmem.batch.allocator import BatchAllocator
 from rsmem.batch.batch import UBatch
 from rsmem.errors import UnknownSequenceError
 from rsmem.hugepages import huge_page_zeros
+from rsmem.memory import state_io
 from rsmem.memory.cells import CellTable
 from rsmem.memory.context import MemoryStatus, RecurrentMemoryContext, RowViews
 from rsmem.memory.rollback import RollbackHistory
@@ -110,6 +111,18 @@ class RecurrentMemory:
     def n_rs_seq(self) -> int:
         """How many trailing positions of a sequence ``seq_rm`` may cut (0: none)."""
         return 0 if self.rollback is None else self.rollback.n_rs_seq
+
+    @property
+    def kv_cells_per_seq(self) -> None:
+        """No KV cache bounds a sequence's positions."""
+        return None
+
+    def capture_memory(self) -> RecurrentMemory:
+        return self
+
+    # state bytes (llama.cpp's recurrent payload): written and read by rsmem.memory.state_io
+    state_write = state_io.write_payload
+    state_read = state_io.read_state
 
     # ------------------------------------------------------- sequence queries
 

@@ -8,7 +8,9 @@ Layout of the recurrent payload (llama.cpp's ``state_write``), little-endian::
     per layer with r: i32 ggml_type, u64 row_bytes, cell_count rows;  then the same for every s layer
 
 Around it: the in-memory sequence blob (magic 0xaf143cd8, source seq id), sequence files ('ggsq',
-version 3, tokens) and session files ('ggsn', version 9, tokens, arch name).
+version 3, tokens) and session files ('ggsn', version 9, tokens, arch name). The framing takes any
+:class:`~rsmem.memory.protocol.SequenceMemory`: what lies inside it is the memory's ``state_write`` (a hybrid
+memory's KV part comes first), read back by its ``state_read``.
 
 Reading is two-phase: :func:`parse_payload` checks every field against the memory and decodes the rows
 without touching anything (rows must be finite: a NaN or inf state would poison every token decoded
@@ -32,6 +34,7 @@ from rsmem.batch.allocator import BatchAllocator
 from rsmem.errors import NoSlotError, StateFormatError
 
 if TYPE_CHECKING:  # the memory imports its rollback, which installs states through this module
+    from rsmem.memory.protocol import SequenceMemory
     from rsmem.memory.recurrent import RecurrentMemory
 
 GGML_TYPE_OF_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
@@ -233,6 +236,14 @@ def _write_rows(memory: RecurrentMemory, payload: Payload, first_cell: int) -> N
                 t[first_cell : first_cell + n] = src.to(t.device)
 
 
+def read_state(memory: RecurrentMemory, reader: Reader, dest_seq: int = -1) -> None:
+    """``RecurrentMemory.state_read``: :func:`parse_payload`, which must end ``reader``'s data, then
+    :func:`restore_payload`."""
+    payload = parse_payload(reader, memory, dest_seq)
+    reader.expect_end()
+    restore_payload(memory, payload, dest_seq)
+
+
 def restore_payload(memory: RecurrentMemory, payload: Payload, dest_seq: int) -> None:
     """Install a parsed payload as ``dest_seq``'s state, or as the whole memory when ``dest_seq < 0``."""
     if dest_seq < 0:
@@ -287,12 +298,12 @@ def _place_alone(memory: RecurrentMemory, seq_id: int, pos: int, *, commit: bool
 # ---------------------------------------------------------------- framing
 
 
-def seq_blob(memory: RecurrentMemory, seq_id: int) -> bytes:
-    """``llama_state_seq_get_data``: magic, source seq id, payload."""
-    return struct.pack("<Ii", SEQ_BLOB_MAGIC, seq_id) + write_payload(memory, seq_id)
+def seq_blob(memory: SequenceMemory, seq_id: int) -> bytes:
+    """``llama_state_seq_get_data``: magic, source seq id, the sequence's state."""
+    return struct.pack("<Ii", SEQ_BLOB_MAGIC, seq_id) + memory.state_write(seq_id)
 
 
-def load_seq_blob(memory: RecurrentMemory, data: bytes, dest_seq: int) -> int:
+def load_seq_blob(memory: SequenceMemory, data: bytes, dest_seq: int) -> int:
     """``llama_state_seq_set_data``: restore a blob into ``dest_seq``; returns the bytes read."""
     memory.require_seq(dest_seq, "state restore")
     reader = Reader(data)
@@ -302,9 +313,7 @@ def load_seq_blob(memory: RecurrentMemory, data: bytes, dest_seq: int) -> int:
     source = reader.i32("source seq id")
     if source < 0:
         raise StateFormatError(f"source seq id {source} is negative")
-    payload = parse_payload(reader, memory, dest_seq)
-    reader.expect_end()
-    restore_payload(memory, payload, dest_seq)
+    memory.state_read(reader, dest_seq)
     return reader.offset
 
 
@@ -332,13 +341,13 @@ def _read_tokens_header(
     return tokens
 
 
-def seq_file_bytes(memory: RecurrentMemory, seq_id: int, tokens: list[int]) -> bytes:
-    """``llama_state_seq_save_file``'s bytes: 'ggsq', version, tokens, payload."""
-    return _tokens_header(SEQ_FILE_MAGIC, SEQ_FILE_VERSION, tokens) + write_payload(memory, seq_id)
+def seq_file_bytes(memory: SequenceMemory, seq_id: int, tokens: list[int]) -> bytes:
+    """``llama_state_seq_save_file``'s bytes: 'ggsq', version, tokens, the sequence's state."""
+    return _tokens_header(SEQ_FILE_MAGIC, SEQ_FILE_VERSION, tokens) + memory.state_write(seq_id)
 
 
 def load_seq_file_bytes(
-    memory: RecurrentMemory, data: bytes, dest_seq: int, n_vocab: int | None = None
+    memory: SequenceMemory, data: bytes, dest_seq: int, n_vocab: int | None = None
 ) -> list[int]:
     """Restore a sequence file's state into ``dest_seq``; returns its tokens (each checked against
     ``n_vocab`` when given, before anything is applied)."""
@@ -347,36 +356,32 @@ def load_seq_file_bytes(
     tokens = _read_tokens_header(
         reader, SEQ_FILE_MAGIC, SEQ_FILE_VERSIONS_READ, "sequence state file", n_vocab
     )
-    payload = parse_payload(reader, memory, dest_seq)
-    reader.expect_end()
-    restore_payload(memory, payload, dest_seq)
+    memory.state_read(reader, dest_seq)
     return tokens
 
 
-def context_state_bytes(memory: RecurrentMemory, arch: str) -> bytes:
-    """Whole-context state data: arch name (u32 length + bytes), then every sequence's payload."""
+def context_state_bytes(memory: SequenceMemory, arch: str) -> bytes:
+    """Whole-context state data: arch name (u32 length + bytes), then every sequence's state."""
     name = arch.encode()
-    return struct.pack("<I", len(name)) + name + write_payload(memory, -1)
+    return struct.pack("<I", len(name)) + name + memory.state_write(-1)
 
 
-def load_context_state(memory: RecurrentMemory, reader: Reader, arch: str) -> None:
+def load_context_state(memory: SequenceMemory, reader: Reader, arch: str) -> None:
     """Restore whole-context state data written by :func:`context_state_bytes`."""
     n = reader.u32("arch name length")
     name = bytes(reader.take(n, "arch name")).decode(errors="replace")
     if name != arch:
         raise StateFormatError(f"state was saved by a {name!r} model, this one is {arch!r}")
-    payload = parse_payload(reader, memory, -1)
-    reader.expect_end()
-    restore_payload(memory, payload, -1)
+    memory.state_read(reader, -1)
 
 
-def session_file_bytes(memory: RecurrentMemory, arch: str, tokens: list[int]) -> bytes:
+def session_file_bytes(memory: SequenceMemory, arch: str, tokens: list[int]) -> bytes:
     """``llama_state_save_file``'s bytes: 'ggsn', version 9, tokens, context state."""
     return _tokens_header(SESSION_MAGIC, SESSION_VERSION, tokens) + context_state_bytes(memory, arch)
 
 
 def load_session_file_bytes(
-    memory: RecurrentMemory, data: bytes, arch: str, n_vocab: int | None = None
+    memory: SequenceMemory, data: bytes, arch: str, n_vocab: int | None = None
 ) -> list[int]:
     reader = Reader(data)
     tokens = _read_tokens_header(reader, SESSION_MAGIC, (SESSION_VERSION,), "session file", n_vocab)
