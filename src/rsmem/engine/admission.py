@@ -12,20 +12,24 @@ prefills only the rest. The shared prefix ends where the leader takes a checkpoi
 boundary, the interval, its divergence from the cache), or, when the prompts share ``MIN_SHARED`` tokens
 more than that, where the two prompts part (a checkpoint is added there to the leader's plan). A waiting
 request holds no sequence and blocks nobody; its wait ends when the leader has prefilled the shared
-prefix, ends or fails, becomes a suspect (``Engine._fail_batch``), or after a bounded number of steps
+prefix, ends or fails, becomes a suspect (``Lifecycle.fail_batch``), or after a bounded number of steps
 (:func:`wait_bound`), and it then proceeds with whatever the cache holds (its own prefill otherwise).
 A request waits at most once. Sessions continue their own state and never wait.
+
+**Stranded requests.** When requests wait and nothing runs, a request that can never start (sessions
+opened after it was queued hold its slot, or leave fewer sequences than its ``n``) fails instead of
+waiting forever.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 from rsmem.engine.checkpoints import CheckpointCache
+from rsmem.engine.lifecycle import Lifecycle
 from rsmem.engine.pool import SequencePool
 from rsmem.engine.prefix_cache import common_prefix
-from rsmem.engine.request import Follow, Phase, Request
+from rsmem.engine.request import ErrorKind, Follow, Phase, Request
 from rsmem.engine.reuse import PromptReuse
+from rsmem.engine.scheduler import RequestQueues
 from rsmem.engine.status import EngineStats
 
 MIN_SHARED = 32  # prompt tokens a request must save to wait for a leader
@@ -38,7 +42,7 @@ def wait_bound(n_tokens: int) -> int:
 
 
 class Admission:
-    """Moves requests from the engine's ``waiting`` queue to ``running`` (both the engine's, shared)."""
+    """Moves requests from the waiting queue to the running one (``queues``, the scheduler's)."""
 
     def __init__(
         self,
@@ -46,25 +50,28 @@ class Admission:
         reuse: PromptReuse,
         checkpoints: CheckpointCache | None,
         stats: EngineStats,
-        waiting: deque[Request],
-        running: list[Request],
+        queues: RequestQueues,
+        lifecycle: Lifecycle,
     ) -> None:
         self.pool = pool
         self.reuse = reuse
         self.checkpoints = checkpoints
         self.stats = stats
-        self.waiting = waiting
-        self.running = running
+        self.queues = queues
+        self.lifecycle = lifecycle
 
     def admit(self) -> None:
-        """Give waiting requests their sequences (see the module docstring)."""
+        """Give waiting requests their sequences; with nothing running, fail the stranded ones (see the
+        module docstring)."""
+        self._admit_waiting()
+        if self.queues.n_waiting and not self.queues.n_running:
+            self._refuse_stranded()
+
+    def _admit_waiting(self) -> None:
         pool = self.pool
-        wanted = {r.slot for r in self.waiting if r.slot is not None and not r.finished}
+        wanted = {r.slot for r in self.queues.waiting if r.slot is not None}
         blocked = False
-        for req in list(self.waiting):
-            if req.finished:  # aborted while waiting
-                self.waiting.remove(req)
-                continue
+        for req in list(self.queues.waiting):
             if req.follow is not None and self._still_waits(req):
                 continue
             if req.session is not None:
@@ -82,15 +89,27 @@ class Admission:
                 continue
             if req.session is None:
                 wanted.discard(req.slot)
-            self.waiting.remove(req)
-            if req.session is None:
                 self.reuse.start(req, first)
             req.completions[0].seq_id = first
             for c in req.completions[1:]:
                 c.seq_id = pool.best_free([], avoid=wanted)
                 pool.take(c.seq_id, [])
             req.phase = Phase.PREFILL
-            self.running.append(req)
+            self.queues.admit(req)
+
+    def _refuse_stranded(self) -> None:
+        held = self.pool.held
+        room = self.pool.n_seq - len(held)
+        for req in list(self.queues.waiting):
+            if req.session is not None:
+                continue
+            if req.params.n > room or req.slot in held:
+                need = f"slot {req.slot}" if req.slot in held else f"{req.params.n} sequences"
+                message = (
+                    f"the request needs {need}, but sessions hold {len(held)} of the {self.pool.n_seq} "
+                    "sequences"
+                )
+                self.lifecycle.fail(req, ErrorKind.REQUEST, message)
 
     def _still_waits(self, req: Request) -> bool:
         """Whether ``req``'s wait for its leader goes on this step (one step of its bound spent)."""
@@ -125,7 +144,7 @@ class Admission:
         prompt = req.prompt_tokens
         reusable: int | None = None  # what req could start from now (computed when needed)
         best: tuple[Request, int] | None = None
-        for lead in self.running:
+        for lead in self.queues.running:
             # a session's prompt continues its state: its prefix is not the prompt's tokens alone
             if lead.phase is not Phase.PREFILL or lead.session is not None or lead.suspect:
                 continue

@@ -1,17 +1,18 @@
 """The generation engine: continuous batching of many requests over one ``Context``.
 
-Each ``step()`` is admit -> plan -> run -> commit -> sample:
+Each ``step()`` is schedule -> run -> post-process:
 
-- **admit**: waiting requests take free sequences (all ``n`` of them at once, FIFO), or wait for a
-  request being prefilled that shares their prefix (``engine/admission.py``);
-- **plan**: every decoding completion contributes its last sampled token; prompts being prefilled
-  contribute chunks from what is left of the per-step token budget (``max_batch_tokens``), so a long
-  prompt never stalls decoding. Planning changes nothing;
-- **run**: one ``Context.decode`` for the whole batch;
-- **commit**: only once the decode succeeded do prompts advance and statistics count; a prompt whose
-  last chunk ran is forked into its other completions with ``seq_cp`` (the prompt is processed once);
-- **sample**: every row that produced logits is sampled in one vectorised call; completions that hit
-  EOS, a stop string or ``max_tokens`` free their sequence at once.
+- **schedule**: waiting requests take free sequences (all ``n`` of them at once, FIFO), or wait for a
+  request being prefilled that shares their prefix (``engine/admission.py``); then the plan: every
+  decoding completion contributes its last sampled token, prompts being prefilled contribute chunks from
+  what is left of the per-step token budget (``max_batch_tokens``), so a long prompt never stalls
+  decoding. Planning changes nothing; the queues are the scheduler's (``scheduler.RequestQueues``);
+- **run**: one ``Context.decode`` for the whole batch; only once it succeeded do prompts advance and
+  statistics count, and a prompt whose last chunk ran is forked into its other completions with
+  ``seq_cp`` (the prompt is processed once);
+- **post-process**: every row that produced logits is sampled in one vectorised call; completions that
+  hit EOS, a stop string or ``max_tokens`` free their sequence at once; every request that progressed
+  or ended gets a report.
 
 Failures stay with the requests they belong to. If the model raises inside the decode, the requests of
 that batch finish with ``FinishReason.ERROR`` (``error_kind`` "model"), their sequences cleared and
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 
 from rsmem.context import Context
@@ -35,17 +35,10 @@ from rsmem.engine.lifecycle import Lifecycle
 from rsmem.engine.output import OutputProcessor
 from rsmem.engine.pool import SequencePool
 from rsmem.engine.reports import report
-from rsmem.engine.request import (
-    ErrorKind,
-    FinishReason,
-    Phase,
-    Request,
-    RequestOutput,
-    Session,
-)
+from rsmem.engine.request import FinishReason, Phase, Request, RequestOutput, Session
 from rsmem.engine.reuse import PromptReuse
 from rsmem.engine.sampling import Sampler, SamplingParams
-from rsmem.engine.scheduler import Planned, StepCost, build_batch, plan_replay, plan_step, step_caps
+from rsmem.engine.scheduler import Planned, RequestQueues, StepCost, build_batch, plan_step, step_caps
 from rsmem.engine.snapshot import active_cells, take_snapshot
 from rsmem.engine.status import EngineSnapshot, EngineStats, Health
 from rsmem.engine.tokenizer import TextTokenizer
@@ -106,8 +99,7 @@ class Engine:
             trim=lambda seq, n: memory.seq_rm(seq, n, -1),
             rollback_depth=context.n_rs_seq,
         )
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.queues = RequestQueues()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.health = Health()
@@ -126,15 +118,20 @@ class Engine:
         self.reuse = PromptReuse(self.pool, self.checkpoints, self.stats, memory)
         self.kept = KeptSequences(context, self.pool, self.checkpoints, self.reuse)
         self.builder = RequestBuilder(self.limits, tokenizer)
+        self.lifecycle = Lifecycle(memory, self.pool, self.checkpoints, self.stats, self.health, self.queues)
         self.admission = Admission(
-            self.pool, self.reuse, self.checkpoints, self.stats, self.waiting, self.running
+            self.pool, self.reuse, self.checkpoints, self.stats, self.queues, self.lifecycle
         )
-        self.lifecycle = Lifecycle(memory, self.pool, self.checkpoints, self.stats, self.running)
         self.output = OutputProcessor(Sampler(), tokenizer, self.stats, self.lifecycle)
 
     @property
     def prompt_cache(self) -> bool:
         return self.pool.prompt_cache
+
+    @property
+    def running(self) -> Sequence[Request]:
+        """The requests holding sequences, in admission order (read only)."""
+        return self.queues.running
 
     # --------------------------------------------------------------- submit
 
@@ -212,7 +209,7 @@ class Engine:
             req.session.busy = True
             req.session.pending = []
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.queues.add(req)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its sequences now; False if it is unknown or already finished."""
@@ -228,12 +225,12 @@ class Engine:
     @property
     def has_unfinished(self) -> bool:
         """Requests wait or run, or have finished without a report yet (aborted, interrupted)."""
-        return bool(self.waiting or self.running) or len(self.requests) > 0
+        return bool(self.queues.n_waiting or self.queues.n_running) or len(self.requests) > 0
 
     def capacity(self) -> tuple[int, int, int]:
         """(sequences, free sequences, sequences the waiting requests need): a cheap read for admission
         control, unlike :meth:`snapshot`."""
-        waiting = sum(r.params.n for r in self.waiting if not r.finished)
+        waiting = sum(r.params.n for r in self.queues.waiting)
         return self.ctx.n_seq_max, self.pool.n_free, waiting
 
     def request_progress(self, request_id: str) -> tuple[int, int] | None:
@@ -251,35 +248,54 @@ class Engine:
         A failure belongs to the requests it came from (see the module docstring); ``step`` raises only
         for ``KeyboardInterrupt`` and the like, after failing the interrupted batch's requests.
         """
+        plan = self._schedule()
+        decoded = self._run(plan)
+        return self._post_process(plan if decoded else [])
+
+    def _schedule(self) -> list[Planned]:
+        """Admit waiting requests, then plan the next batch (the plan changes nothing)."""
         self.admission.admit()
-        if self.waiting and not self.running:
-            self._refuse_stranded()
-        cap, alone = step_caps(self.prefill_cap, self.step_cost, queued=bool(self.waiting))
-        captures = self.reuse.captures
-        plan = plan_step(
-            self.running, self.max_batch_tokens, cap, alone_cap=alone, cut_at_checkpoints=not captures
+        cap, alone = step_caps(self.prefill_cap, self.step_cost, queued=self.queues.n_waiting > 0)
+        return plan_step(
+            self.queues.running,
+            self.max_batch_tokens,
+            cap,
+            alone_cap=alone,
+            cut_at_checkpoints=not self.reuse.captures,
         )
+
+    def _run(self, plan: list[Planned]) -> bool:
+        """Decode the plan's batch and commit it; False when there was nothing to run or the decode
+        failed (its requests then fail or replay, see ``Lifecycle.fail_batch``)."""
+        if not plan:
+            return False
+        batch = build_batch(plan)
+        n_tokens = sum(p.n_tokens for p in plan)
+        self.reuse.make_room(n_tokens)  # cached states give way in shared cells
+        capture = self.reuse.capture_points(plan)
+        codec = self.checkpoints.codec if self.checkpoints is not None else "exact"
+        t0 = time.perf_counter()
+        try:  # on failure decode has cleared the batch's sequences
+            self.ctx.decode(batch, capture=capture, capture_codec=codec)
+        except BaseException as exc:
+            self.lifecycle.fail_batch(plan, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return False
+        elapsed = time.perf_counter() - t0
+        self.stats.decode_seconds += elapsed
+        self.step_cost.observe(n_tokens, elapsed)
+        self.stats.steps += 1
+        self.health.step_succeeded()
+        self._commit(plan)
+        return True
+
+    def _post_process(self, decoded: list[Planned]) -> list[RequestOutput]:
+        """Sample the ``decoded`` plan's output rows, then report every request that progressed or
+        ended."""
         touched: dict[str, Request] = {}
-        if plan:
-            batch = build_batch(plan)
-            self.reuse.make_room(sum(p.n_tokens for p in plan))  # cached states give way in shared cells
-            capture = self.reuse.capture_points(plan)
-            codec = self.checkpoints.codec if self.checkpoints is not None else "exact"
-            t0 = time.perf_counter()
-            try:  # on failure decode has cleared the batch's sequences
-                self.ctx.decode(batch, capture=capture, capture_codec=codec)
-            except BaseException as exc:
-                self._fail_batch(plan, exc)
-                if not isinstance(exc, Exception):
-                    raise
-            else:
-                elapsed = time.perf_counter() - t0
-                self.stats.decode_seconds += elapsed
-                self.step_cost.observe(sum(p.n_tokens for p in plan), elapsed)
-                self.stats.steps += 1
-                self.health.step_succeeded()
-                self._commit(plan)
-                self.output.process(plan, self.ctx.logits, touched)
+        if decoded:
+            self.output.process(decoded, self.ctx.logits, touched)
         for req in self.lifecycle.take_ended():  # not a scan of every request: the queue may be long
             touched[req.request_id] = req
             self.requests.pop(req.request_id, None)
@@ -305,50 +321,6 @@ class Engine:
                 for other in req.completions[1:]:
                     self.ctx.memory.seq_cp(req.prefill_seq, other.seq_id)
                 req.phase = Phase.DECODE
-
-    # ------------------------------------------------------------ failures
-
-    def _fail_batch(self, plan: list[Planned], exc: BaseException) -> None:
-        """The decode raised, and has cleared the states of the batch's sequences.
-
-        A batch of one request, or a suspect's batch, fails that request. A batch of several does not
-        say whose fault it was: each of its requests becomes a suspect, its lost state is rebuilt by
-        replaying its tokens, and suspects run alone until each produces output, so only a request the
-        model fails on by itself fails; the others go on with the same results.
-        """
-        reqs = list({id(p.req): p.req for p in plan}.values())
-        if not isinstance(exc, Exception):  # interrupted (Ctrl-C): the batch's requests end
-            for req in reqs:
-                self.lifecycle.fail(req, ErrorKind.MODEL, "interrupted", reason=FinishReason.ABORT)
-            return
-        message = f"the model failed: {type(exc).__name__}: {exc}"
-        self.stats.failed_steps += 1
-        self.health.step_failed(message)
-        if len(reqs) == 1 or any(r.suspect for r in reqs):
-            for req in reqs:
-                self.lifecycle.fail(req, ErrorKind.MODEL, message)
-            return
-        for req in reqs:
-            req.suspect = True
-            plan_replay(req)
-
-    def _refuse_stranded(self) -> None:
-        """Nothing runs, yet requests wait: those that sessions opened after they were queued leave no
-        room for (too few sequences, or their slot) could never start, and fail now instead of waiting
-        forever."""
-        held = self.pool.held
-        room = self.ctx.n_seq_max - len(held)
-        for req in list(self.waiting):
-            if req.finished or req.session is not None:
-                continue
-            if req.params.n > room or req.slot in held:
-                self.waiting.remove(req)
-                need = f"slot {req.slot}" if req.slot in held else f"{req.params.n} sequences"
-                message = (
-                    f"the request needs {need}, but sessions hold {len(held)} of the {self.ctx.n_seq_max} "
-                    "sequences"
-                )
-                self.lifecycle.fail(req, ErrorKind.REQUEST, message)
 
     # ---------------------------------------------------- sessions and slots
 
@@ -379,7 +351,7 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """The engine's state in one read (for servers: call it on the thread that drives the engine)."""
         return take_snapshot(
-            self.ctx.memory, self.pool, self.waiting, self.running, self.stats, self.health, self.checkpoints
+            self.ctx.memory, self.pool, self.queues, self.stats, self.health, self.checkpoints
         )
 
     def active_cells(self) -> int:

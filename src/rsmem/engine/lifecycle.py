@@ -2,7 +2,9 @@
 
 A finished completion returns its sequence to the pool; with the prompt cache its state stays there for
 a prompt that extends it, and with the prefix cache a checkpoint of it is taken. A failed request caches
-nothing (its state was lost or cannot be trusted) and empties the session it ran in.
+nothing (its state was lost or cannot be trusted) and empties the session it ran in. When the model
+fails on a batch of several requests, they replay their states instead, and run alone until each
+produces output, so only a request the model fails on by itself fails.
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ from __future__ import annotations
 from rsmem.engine.checkpoints import CheckpointCache
 from rsmem.engine.pool import SequencePool
 from rsmem.engine.request import Completion, ErrorKind, FinishReason, Phase, Request
-from rsmem.engine.status import EngineStats
+from rsmem.engine.scheduler import Planned, RequestQueues, plan_replay
+from rsmem.engine.status import EngineStats, Health
 from rsmem.memory.protocol import SequenceMemory
 
 
 class Lifecycle:
-    """Ends requests for the engine; ``running`` is the engine's list of running requests (shared)."""
+    """Ends requests for the engine; an ended request leaves ``queues`` (the scheduler's)."""
 
     def __init__(
         self,
@@ -23,13 +26,15 @@ class Lifecycle:
         pool: SequencePool,
         checkpoints: CheckpointCache | None,
         stats: EngineStats,
-        running: list[Request],
+        health: Health,
+        queues: RequestQueues,
     ) -> None:
         self.memory = memory
         self.pool = pool
         self.checkpoints = checkpoints
         self.stats = stats
-        self.running = running
+        self.health = health
+        self.queues = queues
         self.ended: list[Request] = []  # requests finished since the engine last took them (``take_ended``)
 
     def finish(self, req: Request, c: Completion, reason: FinishReason, *, flush: bool = True) -> None:
@@ -62,10 +67,34 @@ class Lifecycle:
         self.stats.requests_failed += 1
         self.release(req, cache=False)
 
+    def fail_batch(self, plan: list[Planned], exc: BaseException) -> None:
+        """The decode raised, and has cleared the states of the batch's sequences.
+
+        A batch of one request, or a suspect's batch, fails that request. A batch of several does not
+        say whose fault it was: each of its requests becomes a suspect, its lost state is rebuilt by
+        replaying its tokens, and suspects run alone until each produces output, so only a request the
+        model fails on by itself fails; the others go on with the same results.
+        """
+        reqs = list({id(p.req): p.req for p in plan}.values())
+        if not isinstance(exc, Exception):  # interrupted (Ctrl-C): the batch's requests end
+            for req in reqs:
+                self.fail(req, ErrorKind.MODEL, "interrupted", reason=FinishReason.ABORT)
+            return
+        message = f"the model failed: {type(exc).__name__}: {exc}"
+        self.stats.failed_steps += 1
+        self.health.step_failed(message)
+        if len(reqs) == 1 or any(r.suspect for r in reqs):
+            for req in reqs:
+                self.fail(req, ErrorKind.MODEL, message)
+            return
+        for req in reqs:
+            req.suspect = True
+            plan_replay(req)
+
     def release(self, req: Request, *, cache: bool = True) -> None:
         """Finish a request: free every sequence it still holds (a session keeps its own).
 
-        A request ended while a lost state was being replayed (the engine's ``_fail_batch``) holds
+        A request ended while a lost state was being replayed (``fail_batch``) holds
         sequences whose states match none of its tokens: nothing of it is cached, and its session is
         emptied."""
         if any(c.replay for c in req.completions):
@@ -78,8 +107,7 @@ class Lifecycle:
             if c.finish_reason is None:
                 c.finish_reason = FinishReason.ABORT
             self.free_completion(c, req, cache=cache)
-        if req in self.running:
-            self.running.remove(req)
+        self.queues.remove(req)
         if req.phase is not Phase.FINISHED:
             req.phase = Phase.FINISHED
             self.stats.requests_finished += 1

@@ -1,4 +1,8 @@
-"""Scheduling: what the next batch holds, as a plan that changes nothing until the engine commits it.
+"""Scheduling: the engine's queues, and what the next batch holds, as a plan that changes nothing until
+the engine commits it.
+
+``RequestQueues`` owns the requests waiting for sequences and those running; admission, the lifecycle
+and the snapshot go through it.
 
 A plan lists, in batch order, each request's part: one decode token per running completion first, then
 replays (a lost state rebuilt from its tokens) and prompt chunks from what is left of the token budget,
@@ -7,10 +11,55 @@ so a long prompt never stalls decoding. A suspect request (in a batch the model 
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rsmem.batch.batch import Batch
 from rsmem.engine.request import Completion, Phase, Request
+
+
+class RequestQueues:
+    """The requests not yet ended: ``waiting`` for sequences (in arrival order), then ``running``
+    (in admission order). An ended request is in neither."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        """Queue ``req`` behind the waiting requests."""
+        self._waiting.append(req)
+
+    def admit(self, req: Request) -> None:
+        """``req`` took its sequences: it leaves the waiting queue and runs after the running requests."""
+        self._waiting.remove(req)
+        self._running.append(req)
+
+    def remove(self, req: Request) -> None:
+        """``req`` ended: it leaves the queue it is in (none if it already left)."""
+        for queue in (self._running, self._waiting):
+            if req in queue:
+                queue.remove(req)
+                return
+
+    @property
+    def waiting(self) -> Sequence[Request]:
+        """The waiting requests, oldest first (read only: change them through the methods)."""
+        return self._waiting
+
+    @property
+    def running(self) -> Sequence[Request]:
+        """The running requests, in admission order (read only: change them through the methods)."""
+        return self._running
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def n_running(self) -> int:
+        return len(self._running)
 
 
 @dataclass(slots=True)
@@ -24,7 +73,7 @@ class Planned:
 
 
 def plan_step(
-    running: list[Request],
+    running: Sequence[Request],
     budget: int,
     prefill_cap: int | None = None,
     *,
@@ -32,7 +81,7 @@ def plan_step(
     cut_at_checkpoints: bool = True,
 ) -> list[Planned]:
     """What the next batch holds, in batch order: decode tokens first, then replays and prompt chunks
-    from what is left of the budget. A suspect request (see ``_fail_batch``) runs alone. Changes
+    from what is left of the budget. A suspect request (see ``Lifecycle.fail_batch``) runs alone. Changes
     nothing.
 
     Prompts share the budget fairly: the oldest prompt being prefilled is served first (it always makes

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from rsmem.engine.checkpoints import CheckpointCache
 from rsmem.engine.pool import SequencePool
-from rsmem.engine.request import Request
+from rsmem.engine.scheduler import RequestQueues
 from rsmem.engine.status import EngineSnapshot, EngineStats, Health, SlotInfo
 from rsmem.memory.protocol import SequenceMemory
 
@@ -19,13 +17,12 @@ def active_cells(memory: SequenceMemory, pool: SequencePool) -> int:
 def take_snapshot(
     memory: SequenceMemory,
     pool: SequencePool,
-    waiting: Iterable[Request],
-    running: list[Request],
+    queues: RequestQueues,
     stats: EngineStats,
     health: Health,
     checkpoints: CheckpointCache | None,
 ) -> EngineSnapshot:
-    on_seq = {c.seq_id: r.request_id for r in running for c in r.completions if c.seq_id >= 0}
+    on_seq = {c.seq_id: r.request_id for r in queues.running for c in r.completions if c.seq_id >= 0}
     slots = tuple(
         SlotInfo(
             s,
@@ -36,14 +33,13 @@ def take_snapshot(
         )
         for s in range(pool.n_seq)
     )
-    queued = [r for r in waiting if not r.finished]
     state, reason = health.status()
     s = stats
     return EngineSnapshot(
         n_slots=pool.n_seq,
-        waiting=len(queued),
-        waiting_seqs=sum(r.params.n for r in queued),
-        running=len(running),
+        waiting=queues.n_waiting,
+        waiting_seqs=sum(r.params.n for r in queues.waiting),
+        running=queues.n_running,
         free_slots=pool.n_free,
         slots=slots,
         prompt_tokens=s.prompt_tokens,
