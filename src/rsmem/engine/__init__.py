@@ -1,9 +1,10 @@
 """Generation: requests, sampling, continuous batching, and the high-level ``LLM`` API."""
 
-from rsmem.engine.engine import Engine, EngineStats
+from rsmem.engine.engine import Engine
 from rsmem.engine.llm import LLM, default_model_path, load_text_model
 from rsmem.engine.request import CompletionOutput, FinishReason, RequestOutput, Session
 from rsmem.engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprobs, make_generator
+from rsmem.engine.status import EngineStats
 from rsmem.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 __all__ = [

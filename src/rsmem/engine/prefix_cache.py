@@ -284,7 +284,7 @@ class PrefixCache(Generic[P]):
         return node.entry
 
     def _score(self, e: _Entry[P], now: float) -> float:
-        decay = 0.5 ** ((now - e.last_used) / self.half_life)
+        decay: float = 0.5 ** ((now - e.last_used) / self.half_life)
         return (1 + e.hits) * self._nodes[e.handle].depth * decay / max(e.nbytes, 1)
 
     def _victims(self, need: int, *, keep: _Entry[P] | None) -> tuple[list[_Entry[P]], int]:
