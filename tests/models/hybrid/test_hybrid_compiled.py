@@ -42,6 +42,7 @@ def _run(model, compile_decode: bool) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 @needs_cxx
 @pytest.mark.parametrize("arch", ["lfm2", "nemotron_h"])
 def test_compiled_decode_matches_eager(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,6 +60,7 @@ def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor], atol: float
         torch.testing.assert_close(a, b, rtol=0, atol=atol)
 
 
+@pytest.mark.slow
 @needs_cxx
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_whole_step_matches_eager(arch: str) -> None:
@@ -115,6 +116,7 @@ def test_whole_step_falls_back_to_its_eager_function(monkeypatch: pytest.MonkeyP
     _assert_close(got, want, 2e-5)
 
 
+@pytest.mark.slow
 @needs_cxx
 @pytest.mark.skipif(not (QUANT / "mamba2" / "model-q8_0.gguf").is_file(), reason="quantized fixture missing")
 @pytest.mark.parametrize("kind", ["q8_0", "q4_k_m"])
