@@ -104,6 +104,7 @@ def test_other_dtypes_and_layouts_keep_the_torch_form(monkeypatch: pytest.Monkey
         assert torch.allclose(y, y_ref, atol=1e-5) and torch.equal(args[1], window_ref)
 
 
+@pytest.mark.slow
 def test_portable_build_convolves_like_the_twin() -> None:
     native()
     ops = ops_for_march("x86-64-v2")

@@ -133,6 +133,7 @@ def test_other_dtypes_and_layouts_keep_the_torch_form(monkeypatch: pytest.Monkey
         assert torch.allclose(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_portable_build_norms_like_the_twin() -> None:
     native()
     ops = ops_for_march("x86-64-v2")

@@ -113,6 +113,7 @@ def test_many_rows_in_chunks() -> None:
     assert worst_error(ops.qmatmul(x, blocks, int(Q.F16), 1024, 1), x, w) <= RTOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])  # AVX2 + F16C + FMA; no AVX (scalar loops)
 def test_other_builds_match_the_twin(march: str) -> None:
     native()

@@ -101,6 +101,7 @@ def test_accepts_looks_again_when_a_matrix_or_state_changes(ops) -> None:
     assert not step.accepts(head, halved)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3"])
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_portable_and_avx2_builds_match(ops, arch: str, march: str) -> None:

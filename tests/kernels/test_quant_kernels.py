@@ -310,6 +310,7 @@ def test_row_bytes() -> None:
         row_bytes(Q.Q5_K, 128)
 
 
+@pytest.mark.slow
 def test_portable_build_matches_reference() -> None:
     """The code for CPUs without AVX-512 (blocks.h's scalar decoders), built here with -march=x86-64-v2 as
     a second set of ops: routes 0 and 1 against the reference, and its dequantizer equal to gguf's."""

@@ -114,6 +114,7 @@ def test_compiled_graph_calls_the_op_with_a_dynamic_batch() -> None:
         torch.testing.assert_close(compiled(x, ops1, ops2), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])  # AVX2 + FMA; no AVX (the scalar loop)
 def test_other_builds_match_the_twin(march: str) -> None:
     native()

@@ -123,6 +123,7 @@ def test_without_kernels_the_chunked_form_runs(monkeypatch: pytest.MonkeyPatch) 
     assert rel(y, y_ref) < 1e-5 and rel(h, h_ref) < 1e-5
 
 
+@pytest.mark.slow
 def test_portable_build_scans_like_the_twin() -> None:
     native()
     ops = ops_for_march("x86-64-v2")
