@@ -29,37 +29,21 @@ eager.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from rsmem.batch.batch import UBatch
-from rsmem.models.hybrid.layers import (
-    HeldMatrices,
-    HybridStates,
-    RopeTables,
-    apply_rope,
-    hold_model,
-    many_head,
-    many_operand,
-    one_operand,
-    rope_tables,
-    warm_up_decode,
-)
+from rsmem.models.hybrid.base import HybridModelBase, Operand, StateFills
+from rsmem.models.hybrid.chains import Attend
+from rsmem.models.hybrid.layers import HybridStates, RopeTables, apply_rope, rope_tables
 from rsmem.models.hybrid.qwen35_decode import AttnIn, DeltaDims, QwenChains
-from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.conv import causal_conv1d_
 from rsmem.models.ops.delta_net import delta_rule, l2_norm
 from rsmem.models.ops.norm import rms_norm
-from rsmem.models.protocol import StateAccess
-from rsmem.models.step.compiled import CompileSetting, resolve_compile
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+from rsmem.models.step.compiled import CompileSetting
 
 __all__ = ["DeltaNet", "GatedAttention", "Qwen35Config", "Qwen35Layer", "Qwen35Model", "Qwen35Weights"]
 
@@ -165,11 +149,13 @@ class Qwen35Weights:
     lm_head: torch.Tensor
 
 
-class Qwen35Model:
+class Qwen35Model(HybridModelBase[QwenChains]):
     """A Qwen3.5 language model for a :class:`~rsmem.memory.hybrid.HybridMemory`."""
 
     arch = "qwen35"
     kv_cell_ext = True  # M-RoPE: llama.cpp's KV cells keep (x, y, token), written in state bytes
+    config: Qwen35Config
+    layers: list[Qwen35Layer]
 
     def __init__(
         self,
@@ -181,35 +167,18 @@ class Qwen35Model:
     ) -> None:
         """``dtype``: the matrices' and the head's (float32 or bfloat16; the rest is float32); ``compile``:
         see :meth:`set_compile`."""
-        self.config = config
-        self.n_vocab = config.n_vocab
-        self.n_layer = config.n_layer
-        self.n_embd_r = (config.d_conv - 1) * config.conv_dim
-        self.n_embd_s = config.n_v_heads * config.dv * config.dk
-        self.tokenizer: Tokenizer | None = None
-        f32 = torch.float32
-        self.held = HeldMatrices(dtype)
-        self.embedding = weights.embedding.to(f32).contiguous()
-        self.norm_f = weights.norm_f.to(f32)
-        head = None if weights.lm_head is weights.embedding else weights.lm_head  # None: tied
-        self.layers = weights.layers
-        per_layer = [self._layer_matrices(ly) for ly in self.layers]
-        self.embedding, self.lm_head, held = hold_model(self.held, self.embedding, head, per_layer)
-        matrices = [self.lm_head, *(m for mats in held for m in mats)]  # [in, out], the head first
-        for ly, mats in zip(self.layers, held, strict=True):
-            self._set_layer(ly, mats)
         kv = config.n_head_kv * config.head_dim
-        self.kv_layers: Mapping[int, tuple[int, int]] = {
-            il: (kv, kv) for il in range(config.n_layer) if not config.recurrent[il]
-        }
-        self._n_matrix_weights = sum(m.numel() for m in matrices)
-        # the one-sequence chains stream [out, in] rows: float32 matrices held as views of them
-        self._rows_contiguous = all(m.dtype == f32 and m.t().is_contiguous() for m in matrices)
-        self.compile_decode = False
-        self.set_compile(compile)
+        super().__init__(
+            config,
+            weights,
+            dtype=dtype,
+            compile=compile,
+            n_embd_r=(config.d_conv - 1) * config.conv_dim,
+            n_embd_s=config.n_v_heads * config.dv * config.dk,
+            kv_widths=[0 if recurrent else kv for recurrent in config.recurrent],
+        )
 
-    @staticmethod
-    def _layer_matrices(ly: Qwen35Layer) -> list[torch.Tensor]:
+    def layer_matrices(self, ly: Qwen35Layer) -> list[torch.Tensor]:
         """The layer's ``[out, in]`` matrices to hold: gate and up as one, down, then the operator's two."""
         mats = [torch.cat([ly.ffn_gate, ly.ffn_up]).float(), ly.ffn_down.float()]
         if ly.delta is not None:
@@ -219,8 +188,8 @@ class Qwen35Model:
         att = ly.attention
         return [*mats, torch.cat([att.wq, att.wk, att.wv]).float(), att.wo.float()]
 
-    def _set_layer(self, ly: Qwen35Layer, held: list[torch.Tensor]) -> None:
-        """Use the held (``[in, out]``) :meth:`_layer_matrices`; the loaded matrices become ``[out, in]``
+    def set_layer(self, ly: Qwen35Layer, held: list[torch.Tensor]) -> None:
+        """Use the held (``[in, out]``) :meth:`layer_matrices`; the loaded matrices become ``[out, in]``
         views of them (no second copy); vectors float32."""
         cfg = self.config
         ly.gate_up_t, ly.down_t = held[0], held[1]
@@ -256,53 +225,38 @@ class Qwen35Model:
         heads = rows.view(-1, cfg.n_head_kv, cfg.head_dim)
         return apply_rope(heads, *rope_tables(delta, cfg.rope_base, cfg.n_rot)).reshape(rows.shape)
 
-    def set_compile(self, setting: CompileSetting) -> bool:
-        """Whether decode steps run compiled (:mod:`rsmem.models.step.compiled`: ``"auto"``, True/False,
-        ``"1"``/``"0"``; None reads ``RSMEM_COMPILE``); only with float32 ``[out, in]`` rows. Returns the
-        decision."""
-        decided = resolve_compile(setting, self._n_matrix_weights, self.embedding.device)
-        self.compile_decode = decided and self._rows_contiguous
-        if self.compile_decode and not hasattr(self, "_chains"):
-            cfg = self.config
-            dims = DeltaDims(cfg.n_k_heads, cfg.n_v_heads, cfg.dk, cfg.dv, cfg.n_head, cfg.n_head_kv,
-                             cfg.head_dim, cfg.eps)  # fmt: skip
-            self._chains = QwenChains(dims, many=False)
-            self._chains_many = QwenChains(dims, many=True)
-        return self.compile_decode
+    def rope(self, ubatch: UBatch) -> RopeTables:
+        """The micro-batch's tables: NeoX RoPE over the first ``n_rot`` channels."""
+        return rope_tables(
+            torch.tensor(ubatch.pos, dtype=torch.long), self.config.rope_base, self.config.n_rot
+        )
 
-    def warm_up(self) -> float:
-        """Compile the decode steps (one sequence, several) now; the seconds it took (0: not compiling)."""
-        return warm_up_decode(self) if self.compile_decode else 0.0
+    def new_chains(self) -> tuple[QwenChains, QwenChains]:
+        cfg = self.config
+        dims = DeltaDims(cfg.n_k_heads, cfg.n_v_heads, cfg.dk, cfg.dv, cfg.n_head, cfg.n_head_kv,
+                         cfg.head_dim, cfg.eps)  # fmt: skip
+        return QwenChains(dims, many=False), QwenChains(dims, many=True)
 
     # ---------------------------------------------------------------- forward
 
-    def forward(self, ubatch: UBatch, states: StateAccess) -> torch.Tensor:
-        """Logits of the micro-batch's output tokens; ``states`` must be a hybrid memory's context."""
-        hybrid = cast(HybridStates, states)
-        cfg = self.config
-        tokens = ubatch.token_tensor()  # [Bs, L]
-        if self.compile_decode and tokens.shape[1] == 1:
-            logits = self._decode(tokens[:, 0], ubatch, hybrid)
-            if logits is not None:
-                return logits
-        rope: RopeTables | None = None
-        linear = self.held.linear
-        x = self.embedding[tokens]  # [Bs, L, d_model]
-        for il, ly in enumerate(self.layers):
-            h = rms_norm(x, ly.attn_norm, cfg.eps)
-            if ly.delta is not None:
-                x = x + self.delta_net(il, ly.delta, h, hybrid)
-            else:
-                assert ly.attention is not None
-                if rope is None:
-                    pos = torch.tensor(ubatch.pos, dtype=torch.long)
-                    rope = rope_tables(pos, cfg.rope_base, cfg.n_rot)
-                x = x + self.attention(il, ly.attention, h, ubatch, hybrid, rope)
-            assert ly.gate_up_t is not None and ly.down_t is not None
-            g, u = linear(rms_norm(x, ly.post_norm, cfg.eps), ly.gate_up_t).chunk(2, dim=-1)
-            x = x + linear(F.silu(g) * u, ly.down_t)
-        x = output_rows(x, ubatch.output_rows())
-        return linear(rms_norm(x, self.norm_f, cfg.eps), self.lm_head)
+    def layer_forward(
+        self,
+        il: int,
+        ly: Qwen35Layer,
+        x: torch.Tensor,
+        ubatch: UBatch,
+        states: HybridStates,
+        rope: RopeTables | None,
+    ) -> torch.Tensor:
+        """``x += op(rms_norm(x))`` (delta net or gated attention), then ``x += swiglu(rms_norm(x))``."""
+        h = rms_norm(x, ly.attn_norm, self.config.eps)
+        if ly.delta is not None:
+            x = x + self.delta_net(il, ly.delta, h, states)
+        else:
+            assert ly.attention is not None and rope is not None
+            x = x + self.attention(il, ly.attention, h, ubatch, states, rope)
+        assert ly.gate_up_t is not None and ly.down_t is not None
+        return self.swiglu(x, ly.post_norm, ly.gate_up_t, ly.down_t)
 
     def delta_net(self, il: int, d: DeltaNet, h: torch.Tensor, states: HybridStates) -> torch.Tensor:
         """The gated delta net of layer ``il`` on the normed rows ``h`` ``[Bs, L, d_model]``."""
@@ -351,20 +305,21 @@ class Qwen35Model:
         out = out * torch.sigmoid(gate.reshape(-1, nh * hd))
         return self.held.linear(out, att.wo_t).view(n_seqs, n_tokens, -1)
 
-    def _decode(self, tokens: torch.Tensor, ubatch: UBatch, states: HybridStates) -> torch.Tensor | None:
-        """One token of each sequence (``tokens`` ``[Bs]``) as the compiled chains of
-        :mod:`rsmem.models.hybrid.qwen35_decode` (one sequence streams ``[out, in]`` rows, several use the
-        few-row
-        kernel's operands); None (nothing read) when the state rows are not float32."""
+    # ----------------------------------------------------------------- decode
+
+    def state_views(self, r: torch.Tensor, s: torch.Tensor, n_seqs: int) -> tuple[torch.Tensor, ...]:
+        """The conv window ``[Bs, conv_dim, d_conv - 1]`` and the heads' states ``[Bs, H, dv, dk]``."""
         cfg = self.config
-        rows = {il: states.read_states(il) for il in range(self.n_layer) if cfg.recurrent[il]}
-        if any(r.dtype != torch.float32 or s.dtype != torch.float32 for r, s in rows.values()):
-            return None  # decoded eagerly: reading the rows again is harmless
-        n_seqs = tokens.shape[0]
-        many = n_seqs > 1
-        mat = partial(many_operand if many else one_operand, self.held)
-        cos, sin = rope_tables(torch.tensor(ubatch.pos, dtype=torch.long), cfg.rope_base, cfg.n_rot)
-        layers: list[tuple[object, ...] | AttnIn] = []
+        return r.view(n_seqs, cfg.conv_dim, cfg.d_conv - 1), s.view(n_seqs, cfg.n_v_heads, cfg.dv, cfg.dk)
+
+    def chain_steps(
+        self, mat: Operand, many: bool, fills: StateFills, rope: RopeTables | None
+    ) -> list[tuple[Any, ...] | AttnIn]:
+        """The layers as :mod:`rsmem.models.hybrid.qwen35_decode` takes them: a delta net layer's tensors
+        (its window and state from ``fills``, updated in place) or an :class:`AttnIn`."""
+        assert rope is not None
+        cos, sin = rope
+        layers: list[tuple[Any, ...] | AttnIn] = []
         for il, ly in enumerate(self.layers):
             assert ly.gate_up_t is not None and ly.down_t is not None
             ffn = (ly.post_norm, mat(ly.gate_up_t), mat(ly.down_t))
@@ -376,25 +331,19 @@ class Qwen35Model:
                 continue
             d = ly.delta
             assert d.in_t is not None and d.out_t is not None
-            r, s = rows[il]
-            window = r.view(n_seqs, cfg.conv_dim, cfg.d_conv - 1)
-            state = s.view(n_seqs, cfg.n_v_heads, cfg.dv, cfg.dk)
             layers.append((ly.attn_norm, mat(d.in_t), d.conv, d.dt_bias, d.a, d.norm, mat(d.out_t), *ffn,
-                           window, state))  # fmt: skip
-        scale = 1.0 / math.sqrt(cfg.head_dim)
+                           *fills[il]))  # fmt: skip
+        return layers
 
-        def attend(il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return states.attention(il, q, k, v, scale, ubatch)
-
-        x = self.embedding[tokens]  # [Bs, d_model]
-        if many:
-            h = self._chains_many.run(x, layers, "norm", (self.norm_f,), attend)
-            logits = many_head(self.held, output_rows(h, ubatch.output_rows()), self.lm_head)
-        else:
-            head = one_operand(self.held, self.lm_head)
-            logits = self._chains.run(x, layers, "head", (self.norm_f, head), attend)
-            logits = logits[: len(ubatch.output_rows())]
-        for il, (r, s) in rows.items():
-            states.write_states(il, r.view(n_seqs, cfg.conv_dim, cfg.d_conv - 1),
-                                s.view(n_seqs, cfg.n_v_heads, cfg.dv, cfg.dk))  # fmt: skip
-        return logits
+    def run_chains(
+        self,
+        chains: QwenChains,
+        x: torch.Tensor,
+        steps: list[Any],
+        tail: str,
+        tail_tensors: tuple[Any, ...],
+        attend: Attend,
+    ) -> torch.Tensor:
+        """Every attention layer's scale is ``1 / sqrt(head_dim)``: the chains' ``attend`` takes none."""
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        return chains.run(x, steps, tail, tail_tensors, lambda il, q, k, v: attend(il, q, k, v, scale))
