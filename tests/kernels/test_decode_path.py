@@ -6,7 +6,8 @@ from typing import Any, cast
 
 import pytest
 
-from rsmem.models.step.native import NativeStep, decode_path
+from rsmem.models.step.native import NativeStep
+from rsmem.models.step.path import decode_path
 
 
 class FakeNative:

@@ -19,22 +19,26 @@ model keeps its compiled step (nothing was written).
 
 from __future__ import annotations
 
-import itertools
 import operator
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
-import gguf
 import torch
 
 from rsmem import settings
 from rsmem.kernels.build import loaded_native_ops
-from rsmem.models.ops.quantized import QuantMatrix
 from rsmem.models.step.fused import SmallRows
 from rsmem.models.step.memo import same_objects
+from rsmem.models.step.native_forms import (
+    FLOAT_QTYPES,
+    SLICED_F32,
+    matrix_qtype,
+    native_matrix,
+    row_slices,
+    taken_matrix,
+)
 from rsmem.models.step.operands import StepOperands
-from rsmem.models.step.packed import PACK_ROWS
 
 # The first call's check (one layer of each kind at a time): logits and states within this of the twin's,
 # relative to their largest magnitude; a wrong layout or operand gives differences of order 1. With float
@@ -48,10 +52,6 @@ QUANTIZED_CHECK_TOLERANCE = 1e-2
 # the compiled step (bench/native_step.py compares them), most of all for Mamba-2, whose compiled mixer is
 # most of a wide step.
 MAX_ROWS = 128
-# qtype of a float32 matrix given as its oneDNN packed twin (csrc/step_common.h's kPackedF32)
-PACKED_F32 = -2
-# qtypes whose products keep float32 activations: float32 rows (-1), packed float32, F16, BF16
-FLOAT_QTYPES = (-1, PACKED_F32, int(gguf.GGMLQuantizationType.F16), int(gguf.GGMLQuantizationType.BF16))
 # Rows from which a step takes float32 matrices as their oneDNN packed twins (fewer: the few-row kernel on
 # the plain rows): the few-row kernel, streaming cold weights once, stays ahead up to 64 rows, the packed
 # product's blocking beyond (at::mm on the plain matrix repacks the weights on every call: behind both).
@@ -60,52 +60,10 @@ PACKED_FROM_ROWS = 65
 # waking oneDNN's threads for the head takes back part of what packing gains, which pays off from 64 rows
 # and not below
 PACKED_HEAD_FROM_ROWS = 64
-# qtype of a float32 matrix whose products run through oneDNN packed slices of its rows, one slice a range of
-# rsmem's workers on one OpenMP thread each (csrc/step_common.h's kSlicedF32), for ops made with
-# ``sliced=True`` (RWKV-6 and RWKV-7) ...
-SLICED_F32 = -3
 # ... from this many rows (and up to MAX_ROWS), every float32 matrix and the head: within a step the
 # slices are behind the few-row kernel at 8 rows, even at 16 and ahead from 32 (the matrices alone, outside
 # a step, favour the slices earlier: only the step's own timing decides).
 SLICED_FROM_ROWS = 32
-
-
-def native_matrix(matrix: Any, packed: bool = False) -> tuple[torch.Tensor, int] | None:
-    """A one-sequence operand (:func:`~rsmem.models.step.small_rows.one_operand`) as the op takes it:
-    ``(float32 [out, in] with contiguous rows, -1)`` or ``(blocks, qtype)``; with ``packed``, a matrix with
-    a oneDNN twin as ``(twin, PACKED_F32)``; None for any other."""
-    if isinstance(matrix, QuantMatrix):
-        return matrix.blocks, matrix.qtype
-    if packed and isinstance(matrix, SmallRows):
-        return matrix.packed, PACKED_F32
-    w = matrix.plain if isinstance(matrix, SmallRows) else matrix
-    if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 and w.stride(1) == 1:
-        return w, -1
-    return None
-
-
-def _taken(matrix: Any, packed: bool = False) -> tuple[torch.Tensor, int]:
-    """:func:`native_matrix` of a matrix the op must take (:meth:`NativeStep.accepts` said so)."""
-    found = native_matrix(matrix, packed)
-    if found is None:
-        raise ValueError(f"the C++ step takes no {type(matrix).__name__} of this layout as a matrix")
-    return found
-
-
-def _qtype(matrix: Any) -> int | None:
-    found = native_matrix(matrix)
-    return None if found is None else found[1]
-
-
-def row_slices(plain: torch.Tensor, n: int) -> list[torch.Tensor]:
-    """oneDNN packed twins of ``n`` consecutive row ranges of a float32 ``[out, in]`` matrix, as even as the
-    rows allow (the op's ``slices`` for a :data:`SLICED_F32` matrix)."""
-    bounds = [plain.shape[0] * i // n for i in range(n + 1)]
-    return [
-        torch.ops.mkldnn._reorder_linear_weight(plain[a:b].contiguous(), PACK_ROWS)
-        for a, b in itertools.pairwise(bounds)
-        if b > a
-    ]
 
 
 def _getter(positions: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
@@ -117,42 +75,6 @@ def _getter(positions: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
     if not positions:
         return lambda seq: ()
     return operator.itemgetter(*positions)
-
-
-DecodePath = Literal["native", "compiled", "layers"]
-
-
-def decode_path(
-    native: NativeStep | None,
-    n_seqs: int,
-    *,
-    compiled: bool,
-    rows_contiguous: bool,
-    native_without_compile: bool,
-) -> DecodePath:
-    """Which path runs a recurrent model's decode step of one token for each of ``n_seqs`` sequences (with no
-    states captured): the one rule of Mamba's and RWKV's bases.
-
-    - ``"native"``: the C++ step ``native``, where it runs here for ``n_seqs`` (:meth:`NativeStep.usable`),
-      the matrices keep contiguous ``[out, in]`` rows (``rows_contiguous``), and the steps are ``compiled`` or
-      the family runs its C++ step without compiling (``native_without_compile``: Mamba's). For the token
-      where it does not take the operands (:meth:`NativeStep.accepts`) or fails its first check
-      (:meth:`NativeStep.check`), the compiled step runs instead (not compiling: that step's function,
-      eagerly).
-    - ``"compiled"``: else the compiled whole step, where ``compiled`` and there are several sequences or
-      the rows are contiguous (one sequence's step streams them).
-    - ``"layers"``: else layer by layer, as a prompt.
-    """
-    if (
-        native is not None
-        and rows_contiguous
-        and (compiled or native_without_compile)
-        and native.usable(n_seqs)
-    ):
-        return "native"
-    if compiled and (n_seqs > 1 or rows_contiguous):
-        return "compiled"
-    return "layers"
 
 
 def difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -287,7 +209,9 @@ class NativeStep:
         """The op's layer tensors (matrices as :func:`native_matrix` gives them, ``packed`` or not) and
         qtypes, and the head (``packed_head`` or not; None: as the layers)."""
         head_packed = packed if packed_head is None else packed_head
-        return self._assemble(head, flat, lambda m: _taken(m, packed), lambda m: _taken(m, head_packed))
+        return self._assemble(
+            head, flat, lambda m: taken_matrix(m, packed), lambda m: taken_matrix(m, head_packed)
+        )
 
     def _build_sliced(
         self, head: Any, flat: Sequence[Any]
@@ -303,7 +227,7 @@ class NativeStep:
         def take(matrix: Any) -> tuple[torch.Tensor, int]:
             if not isinstance(matrix, SmallRows):
                 slices.extend([blank] * n)
-                return _taken(matrix)
+                return taken_matrix(matrix)
             entry = self._slices.get(id(matrix.plain))
             if entry is None or entry[0] is not matrix.plain:
                 entry = self._slices[id(matrix.plain)] = (matrix.plain, row_slices(matrix.plain, n))
@@ -401,7 +325,7 @@ class NativeStep:
         kinds: dict[tuple[int | None, ...], list[Any]] = {}
         for i in range(0, len(flat) - n * span + 1, n):
             layers = list(flat[i : i + n * span])
-            kind = tuple(_qtype(layers[j + m]) for j in range(0, len(layers), n) for m in self.matrices)
+            kind = tuple(matrix_qtype(layers[j + m]) for j in range(0, len(layers), n) for m in self.matrices)
             kinds.setdefault(kind, layers)
         return list(kinds.values())
 
