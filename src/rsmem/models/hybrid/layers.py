@@ -22,9 +22,8 @@ from rsmem.batch.batch import UBatch
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.protocol import StateAccess
 from rsmem.models.step import small_rows
-from rsmem.models.step.fused import RowsOperand, matmul_rows
+from rsmem.models.step.fused import RowsOperand, SmallRows, matmul_rows
 from rsmem.models.step.packed import HeldMatrices
-from rsmem.models.step.small_rows import SmallRows
 
 __all__ = [
     "Attention", "HeldMatrices", "HybridStates", "RopeTables", "hold_all", "many_head", "many_operand",

@@ -35,8 +35,8 @@ from rsmem.models.step.native import (
     MAX_ROWS,
     PACKED_FROM_ROWS,
     difference,
-    native_matrix,
 )
+from rsmem.models.step.native_forms import native_matrix
 from rsmem.models.step.operands import ATTENTION_BLOCK, CONV_BLOCK, MLP_BLOCK
 from rsmem.models.step.operands import MAMBA2 as MAMBA2_LAYER
 

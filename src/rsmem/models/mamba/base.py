@@ -21,12 +21,12 @@ from rsmem.models.ops.norm import rms_norm
 from rsmem.models.ops.quantized import Matrix, QuantMatrix, as_float32, embed
 from rsmem.models.protocol import StateAccess
 from rsmem.models.step.compiled import ONE_THREAD_GLUE, CompiledStep, CompileSetting, resolve_compile
-from rsmem.models.step.fused import RowsOperand, token_step, token_step_many
+from rsmem.models.step.fused import RowsOperand, SmallRows, token_step, token_step_many
 from rsmem.models.step.memo import StepMemo
 from rsmem.models.step.native import NativeStep
 from rsmem.models.step.packed import PackedMatrices, held_matrix, packing_enabled
 from rsmem.models.step.path import DecodePath, decode_path
-from rsmem.models.step.small_rows import SmallRows, many_operand, one_operand
+from rsmem.models.step.small_rows import many_operand, one_operand
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -23,12 +23,12 @@ from rsmem.models.ops.common import output_rows
 from rsmem.models.ops.norm import rms_norm
 from rsmem.models.protocol import StateAccess
 from rsmem.models.step.compiled import CompiledStep, CompileSetting, resolve_compile
-from rsmem.models.step.fused import RowsOperand
+from rsmem.models.step.fused import RowsOperand, SmallRows
 from rsmem.models.step.memo import StepMemo
 from rsmem.models.step.native import NativeStep
 from rsmem.models.step.packed import HeldMatrices
 from rsmem.models.step.path import DecodePath, decode_path
-from rsmem.models.step.small_rows import SmallRows, many_operand, one_operand
+from rsmem.models.step.small_rows import many_operand, one_operand
 from rsmem.models.step.wkv_many import MANY_OPTIONS
 
 if TYPE_CHECKING:

@@ -49,7 +49,8 @@ def gemv(x: torch.Tensor, weight: Matrix) -> torch.Tensor:
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+    return out
 
 
 def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -103,9 +104,11 @@ def matmul_rows(x: torch.Tensor, weight: RowsOperand) -> torch.Tensor:
     if isinstance(weight, QuantMatrix):
         return weight.matmul_t(x)
     if isinstance(weight, Packed):
-        return torch.ops.rsmem.packed_linear(x, weight.packed)
+        out: torch.Tensor = torch.ops.rsmem.packed_linear(x, weight.packed)
+        return out
     if isinstance(weight, SmallRows):
-        return torch.ops.rsmem_native.rows_linear(x, weight.plain, weight.packed, weight.max_rows)
+        out = torch.ops.rsmem_native.rows_linear(x, weight.plain, weight.packed, weight.max_rows)
+        return out
     if weight.dtype == x.dtype:
         return x @ weight.t()
     return (x.to(weight.dtype) @ weight.t()).float()

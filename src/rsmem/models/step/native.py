@@ -272,11 +272,15 @@ class NativeStep:
         op = getattr(self.ops(), self.op)
         if self.sliced and rows >= SLICED_FROM_ROWS:
             layers, qtypes, head_w, head_q, slices = self._operands(head, flat, False, False, sliced=True)
-            return op(x, layers, qtypes, norm_f, head_w, head_q, *self.consts, slices, self.n_slices)
+            out: torch.Tensor = op(
+                x, layers, qtypes, norm_f, head_w, head_q, *self.consts, slices, self.n_slices
+            )
+            return out
         layers, qtypes, head_w, head_q, _ = self._operands(
             head, flat, rows >= PACKED_FROM_ROWS, rows >= PACKED_HEAD_FROM_ROWS
         )
-        return op(x, layers, qtypes, norm_f, head_w, head_q, *self.consts, *self._no_slices())
+        out = op(x, layers, qtypes, norm_f, head_w, head_q, *self.consts, *self._no_slices())
+        return out
 
     def _no_slices(self) -> tuple[Any, ...]:
         """The op's ``slices`` and ``n_slices`` when no matrix is sliced (nothing for ops without them)."""

@@ -11,8 +11,8 @@ import gguf
 import torch
 
 from rsmem.models.ops.quantized import QuantMatrix
+from rsmem.models.step.fused import SmallRows
 from rsmem.models.step.packed import PACK_ROWS
-from rsmem.models.step.small_rows import SmallRows
 
 # qtype of a float32 matrix given as its oneDNN packed twin (csrc/step_common.h's kPackedF32)
 PACKED_F32 = -2

@@ -95,8 +95,12 @@ class PackedMatrices:
             plain = entry[2]
             if plain is None:
                 return linear(x, weight_t)
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), plain, None, "none", [], "")
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[1], None, "none", [], "")
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), plain, None, "none", [], ""
+            )
+            return out
+        out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[1], None, "none", [], "")
+        return out
 
 
 class HeldMatrices:

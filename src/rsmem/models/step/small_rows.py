@@ -66,7 +66,8 @@ def rows_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ops = kernel_ops()
     if ops is None or x.dtype != torch.float32 or w.dtype != torch.float32 or w.stride(-1) != 1:
         return rows_ref(x, w)
-    return ops.rows_f32(x, w)
+    out: torch.Tensor = ops.rows_f32(x, w)
+    return out
 
 
 def rows_operand(plain: torch.Tensor, packed: torch.Tensor) -> SmallRows | Packed:
