@@ -1,7 +1,7 @@
 """The hybrid memory's recurrent part, read from state bytes: :func:`parse_recurrent`, for states whose
 rows may be 0 bytes wide. The blob, the 'ggsq' sequence file and the 'ggsn' session file around
 :meth:`HybridMemory.state_write` / ``state_read`` are :mod:`rsmem.memory.state_io`'s framing, the same for
-every memory (kept here by name for callers that framed a hybrid's state through this module).
+every memory.
 """
 
 from __future__ import annotations
@@ -12,34 +12,10 @@ import torch
 
 from rsmem.errors import StateFormatError
 from rsmem.memory import state_io
-from rsmem.memory.state_io import (
-    DTYPE_OF_GGML_TYPE,
-    Payload,
-    Reader,
-    context_state_bytes,
-    load_context_state,
-    load_seq_blob,
-    load_seq_file_bytes,
-    load_session_file_bytes,
-    seq_blob,
-    seq_file_bytes,
-    session_file_bytes,
-)
+from rsmem.memory.state_io import DTYPE_OF_GGML_TYPE, Payload, Reader
 
 if TYPE_CHECKING:
     from rsmem.memory.recurrent import RecurrentMemory
-
-__all__ = [
-    "context_state_bytes",
-    "load_context_state",
-    "load_seq_blob",
-    "load_seq_file_bytes",
-    "load_session_file_bytes",
-    "parse_recurrent",
-    "seq_blob",
-    "seq_file_bytes",
-    "session_file_bytes",
-]
 
 
 def parse_recurrent(reader: Reader, memory: RecurrentMemory, dest_seq: int) -> Payload:

@@ -14,7 +14,7 @@ import torch
 import rsmem
 from rsmem import Batch, Context
 from rsmem.errors import StateFormatError
-from rsmem.memory import hybrid_state
+from rsmem.memory import state_io
 from rsmem.memory.hybrid import HybridMemory
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "llamacpp" / "lfm2"
@@ -72,7 +72,7 @@ def test_corrupt_states_are_refused_with_the_memory_untouched(model) -> None:
     )
     for data in bad:
         with pytest.raises(StateFormatError):
-            hybrid_state.load_seq_blob(ctx.memory, bytes(data), 0)
+            state_io.load_seq_blob(ctx.memory, bytes(data), 0)
         assert ctx.memory.state_write(-1) == before
         ctx.memory.check_invariants()
 
@@ -88,13 +88,13 @@ def test_half_precision_kv_cache(model, dtype: torch.dtype) -> None:
     want = torch.from_numpy(np.load(FIXTURES / "logits-prompt-f32.npy"))
     err = (ctx.logits - want).abs().max().item()
     assert err < (2e-3 if dtype == torch.float16 else 2e-2), err
-    blob = hybrid_state.seq_blob(mem, 0)
+    blob = state_io.seq_blob(mem, 0)
     k_type = struct.unpack_from("<iQ", blob, 168)
     assert k_type == ({torch.float16: 1, torch.bfloat16: 30}[dtype], 32 * 2)
     f32 = _ctx(model)
-    hybrid_state.load_seq_blob(f32.memory, blob, 1)
+    state_io.load_seq_blob(f32.memory, blob, 1)
     assert f32.memory.kv.k_l[1][1, :12].equal(mem.kv.k_l[1][0, :12].float())
-    hybrid_state.load_seq_blob(mem, (FIXTURES / "state-seq0-f32.bin").read_bytes(), 1)
+    state_io.load_seq_blob(mem, (FIXTURES / "state-seq0-f32.bin").read_bytes(), 1)
     ctx.decode(Batch(CONT, seq_ids=[[1]] * 3, logits=[True] * 3))
     cont = torch.from_numpy(np.load(FIXTURES / "logits-continuation-f32.npy"))
     assert (ctx.logits - cont).abs().max().item() < (2e-3 if dtype == torch.float16 else 2e-2)
@@ -104,8 +104,8 @@ def test_state_of_a_single_token_round_trips(model) -> None:
     """One cell: V transposed is a [n_embd_v, 1] view (writing it raised before)."""
     ctx = _ctx(model)
     ctx.decode(Batch([PROMPT[0]]))
-    blob = hybrid_state.seq_blob(ctx.memory, 0)
+    blob = state_io.seq_blob(ctx.memory, 0)
     other = _ctx(model)
-    hybrid_state.load_seq_blob(other.memory, blob, 1)
+    state_io.load_seq_blob(other.memory, blob, 1)
     assert other.memory.kv.v_l[1][1, 0].equal(ctx.memory.kv.v_l[1][0, 0])
-    assert hybrid_state.seq_blob(other.memory, 1)[8:] != b"" and other.memory.seq_pos_max(1) == 0
+    assert state_io.seq_blob(other.memory, 1)[8:] != b"" and other.memory.seq_pos_max(1) == 0
