@@ -16,7 +16,7 @@ import torch
 
 import rsmem
 from rsmem import Batch, Context
-from rsmem.memory import hybrid_state
+from rsmem.memory import state_io
 
 ROOT = Path(__file__).resolve().parents[2] / "fixtures" / "llamacpp"
 ARCHS = ["lfm2", "nemotron_h"]
@@ -117,10 +117,10 @@ def test_state_blob_is_llamacpps_layout(model, arch: str, fx: dict) -> None:
     ctx = _ctx(model)
     ctx.decode(Batch(PROMPT))
     theirs = (ROOT / arch / "state-seq0-f32.bin").read_bytes()
-    _assert_like_llamacpp(hybrid_state.seq_blob(ctx.memory, 0), theirs, fx)
+    _assert_like_llamacpp(state_io.seq_blob(ctx.memory, 0), theirs, fx)
     tokens = struct.pack(f"<III{len(PROMPT)}i", 0x67677371, 3, len(PROMPT), *PROMPT)
-    ggsq = hybrid_state.seq_file_bytes(ctx.memory, 0, PROMPT)
-    assert ggsq[: len(tokens)] == tokens and ggsq[len(tokens) :] == hybrid_state.seq_blob(ctx.memory, 0)[8:]
+    ggsq = state_io.seq_file_bytes(ctx.memory, 0, PROMPT)
+    assert ggsq[: len(tokens)] == tokens and ggsq[len(tokens) :] == state_io.seq_blob(ctx.memory, 0)[8:]
 
 
 def test_rollback_matches_llamacpp(model, arch: str, fx: dict) -> None:
@@ -133,7 +133,7 @@ def test_rollback_matches_llamacpp(model, arch: str, fx: dict) -> None:
     ctx.decode(Batch([21, 22], logits=[True, True]))
     _close(ctx.logits, _npy(arch, "rollback-logits.npy"))
     _assert_like_llamacpp(
-        hybrid_state.seq_blob(ctx.memory, 0), (ROOT / arch / "rollback-state-seq0.bin").read_bytes(), fx
+        state_io.seq_blob(ctx.memory, 0), (ROOT / arch / "rollback-state-seq0.bin").read_bytes(), fx
     )
     assert ctx.memory.seq_rm(0, 5, -1) is False  # deeper than the window: refused
 
@@ -159,12 +159,12 @@ def test_llamacpp_blob_restores_and_continues(model, arch: str, fx: dict, dest: 
     PROMPT, CONT = fx["prompt"], fx["continuation"]
     blob = (ROOT / arch / "state-seq0-f32.bin").read_bytes()
     ctx = _ctx(model)
-    assert hybrid_state.load_seq_blob(ctx.memory, blob, dest) == len(blob)
+    assert state_io.load_seq_blob(ctx.memory, blob, dest) == len(blob)
     ctx.memory.check_invariants()
     assert ctx.memory.seq_pos_max(dest) == len(PROMPT) - 1
     again = _ctx(model)  # written back and read again as sequence 0: bit for bit llama.cpp's blob
-    hybrid_state.load_seq_blob(again.memory, hybrid_state.seq_blob(ctx.memory, dest), 0)
-    assert hybrid_state.seq_blob(again.memory, 0) == blob
+    state_io.load_seq_blob(again.memory, state_io.seq_blob(ctx.memory, dest), 0)
+    assert state_io.seq_blob(again.memory, 0) == blob
     ctx.decode(Batch(CONT, seq_ids=[[dest]] * len(CONT), logits=[True] * len(CONT)))
     _close(ctx.logits, _npy(arch, "logits-continuation-f32.npy"))
 
@@ -173,9 +173,9 @@ def test_sequence_file_round_trip_into_another_sequence(model, arch: str, fx: di
     PROMPT, CONT = fx["prompt"], fx["continuation"]
     ctx = _ctx(model)
     ctx.decode(Batch(PROMPT))
-    data = hybrid_state.seq_file_bytes(ctx.memory, 0, PROMPT)
+    data = state_io.seq_file_bytes(ctx.memory, 0, PROMPT)
     other = _ctx(model)
-    assert hybrid_state.load_seq_file_bytes(other.memory, data, 1, n_vocab=model.n_vocab) == PROMPT
+    assert state_io.load_seq_file_bytes(other.memory, data, 1, n_vocab=model.n_vocab) == PROMPT
     other.decode(Batch(CONT, seq_ids=[[1]] * 3, logits=[True] * 3))
     _close(other.logits, _npy(arch, "logits-continuation-f32.npy"))
 
@@ -184,9 +184,9 @@ def test_session_file_round_trip(model, arch: str, fx: dict) -> None:
     PROMPT, CONT = fx["prompt"], fx["continuation"]
     ctx = _ctx(model, n_seq_max=2)
     ctx.decode(Batch.from_sequences({0: PROMPT, 1: PROMPT[:5]}))
-    data = hybrid_state.session_file_bytes(ctx.memory, arch, PROMPT)
+    data = state_io.session_file_bytes(ctx.memory, arch, PROMPT)
     other = _ctx(model, n_seq_max=2)
-    assert hybrid_state.load_session_file_bytes(other.memory, data, arch) == PROMPT
+    assert state_io.load_session_file_bytes(other.memory, data, arch) == PROMPT
     assert other.memory.state_write(-1) == ctx.memory.state_write(-1)
     other.decode(Batch(CONT, logits=[True] * 3))
     _close(other.logits, _npy(arch, "logits-continuation-f32.npy"))

@@ -24,7 +24,7 @@ from rsmem.errors import StateFormatError
 from rsmem.loaders import read_tensors
 from rsmem.loaders.hybrid.build import build_hybrid
 from rsmem.loaders.hybrid.qwen35 import qwen35_config_from_gguf
-from rsmem.memory import checkpoint, hybrid_state
+from rsmem.memory import checkpoint, state_io
 from rsmem.memory.hybrid import HybridMemory
 from rsmem.models.hybrid.qwen35 import Qwen35Model
 from rsmem.models.ops.delta_net import delta_rule_chunked, delta_rule_ref, l2_norm, unit_lower_inverse
@@ -143,7 +143,7 @@ def _assert_like_llamacpp(got: bytes, want: bytes) -> None:
 def test_state_blob_is_llamacpps(model) -> None:
     ctx = _ctx(model)
     ctx.decode(Batch(PROMPT))
-    blob = hybrid_state.seq_blob(ctx.memory, 0)
+    blob = state_io.seq_blob(ctx.memory, 0)
     _assert_like_llamacpp(blob, (FIXTURES / "state-seq0-f32.bin").read_bytes())
     cell_1 = struct.unpack_from("<iIiiii", blob, 40)  # pos, n_seq_id, ext x, y, tok, seq id
     assert cell_1 == (1, 1, 1, 1, PROMPT[1], 0)
@@ -157,8 +157,8 @@ def test_llamacpp_ggsq_restores_and_continues(model, dest: int, tmp_path: Path) 
     assert ctx.memory.seq_pos_max(dest) == len(PROMPT) - 1
     blob = (FIXTURES / "state-seq0-f32.bin").read_bytes()
     again = _ctx(model)  # written back and read again as sequence 0: bit for bit llama.cpp's blob
-    hybrid_state.load_seq_blob(again.memory, hybrid_state.seq_blob(ctx.memory, dest), 0)
-    assert hybrid_state.seq_blob(again.memory, 0) == blob
+    state_io.load_seq_blob(again.memory, state_io.seq_blob(ctx.memory, dest), 0)
+    assert state_io.seq_blob(again.memory, 0) == blob
     ctx.decode(Batch(CONT, seq_ids=[[dest]] * len(CONT), logits=[True] * len(CONT)))
     _close(ctx.logits, _npy("logits-continuation-f32.npy"))
     saved = tmp_path / "again.ggsq"
@@ -177,7 +177,7 @@ def test_rollback_matches_llamacpp(model) -> None:
     ctx.decode(Batch([21, 22], logits=[True, True]))
     _close(ctx.logits, _npy("rollback-logits.npy"))
     _assert_like_llamacpp(
-        hybrid_state.seq_blob(ctx.memory, 0), (FIXTURES / "rollback-state-seq0.bin").read_bytes()
+        state_io.seq_blob(ctx.memory, 0), (FIXTURES / "rollback-state-seq0.bin").read_bytes()
     )
     assert ctx.memory.seq_rm(0, 5, -1) is False  # deeper than the window: refused
 
@@ -260,7 +260,7 @@ def test_seq_add_rotates_the_stored_keys(model) -> None:
     fresh.decode(Batch(PROMPT, pos=list(range(5, 17))))
     fresh.decode(Batch(CONT, pos=[17, 18, 19], logits=[True] * 3))
     _close(ctx.logits, fresh.logits, 1e-5)
-    blob = hybrid_state.seq_blob(ctx.memory, 0)
+    blob = state_io.seq_blob(ctx.memory, 0)
     assert struct.unpack_from("<iIiii", blob, 16) == (5, 1, 5, 5, PROMPT[0])  # ext x, y follow the position
 
 
@@ -279,7 +279,7 @@ def test_corrupt_states_are_refused_with_the_memory_untouched(model) -> None:
     )
     for data in bad:
         with pytest.raises(StateFormatError):
-            hybrid_state.load_seq_blob(ctx.memory, bytes(data), 0)
+            state_io.load_seq_blob(ctx.memory, bytes(data), 0)
         assert ctx.memory.state_write(-1) == before
         ctx.memory.check_invariants()
 
