@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from rsmem.engine.constraints import mask_constrained
 from rsmem.engine.lifecycle import Lifecycle
 from rsmem.engine.reports import cut_at_stop
 from rsmem.engine.request import Completion, ErrorKind, FinishReason, Request
@@ -51,6 +52,7 @@ class OutputProcessor:
             else None
         )
         fail = self.lifecycle.fail
+        logits = mask_constrained(logits, targets, fail, owned=not in_order)  # structured outputs
         try:  # a bad row is reported in out.errors; only a bug raises here
             out = self.sampler.sample(logits, params, histories, [c.generator for _, c in targets])
         except Exception as exc:
@@ -92,6 +94,9 @@ class OutputProcessor:
             if req.params.stop and cut_at_stop(c, req.params.stop, len(delta)):
                 finish(req, c, FinishReason.STOP, flush=False)
                 return
+        if c.matcher is not None and c.matcher.advance(token):  # the constraint is complete
+            finish(req, c, FinishReason.STOP)
+            return
         if req.params.max_tokens is not None and len(c.tokens) >= req.params.max_tokens:
             finish(req, c, FinishReason.LENGTH)
 

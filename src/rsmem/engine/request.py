@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from rsmem.engine.sampling import SamplingParams, TokenLogprobs
 from rsmem.engine.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from rsmem.engine.constraints import Matcher
 
 
 class FinishReason(str, enum.Enum):
@@ -46,6 +50,7 @@ class Completion:
     replay: list[int] = field(default_factory=list)  # tokens to fold in again (a lost state rebuilt)
     reported_chars: int = 0  # text already sent in reports
     reported_tokens: int = 0
+    matcher: Matcher | None = None  # the request's constraint, at this completion's position in it
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from rsmem.engine.constraints import Constraint
 from rsmem.errors import InvalidRequestError
 
 # torch.Generator.manual_seed accepts exactly this range (negative seeds are folded onto positive ones).
@@ -150,7 +151,12 @@ class SamplingParams:
     max_tokens             >= 1              None: no limit (EOS, a stop string or abort)
     n                      [1, 2**31-1]      completions (the engine also bounds it by its sequences)
     stop                   non-empty strings
+    constraint             a Constraint      None: free text; with one, ``stop`` must be empty
     ====================== ================= ==============================================
+
+    ``constraint`` (:class:`~rsmem.engine.constraints.Constraint`) makes every completion match a JSON
+    schema, grammar, regex or choice; the engine compiles it when the request is built. Stop strings
+    are refused with it: one could cut the output short of what the constraint requires.
     """
 
     temperature: float = 1.0
@@ -168,6 +174,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     n: int = 1
     ignore_eos: bool = False
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised values are stored through object.__setattr__
@@ -184,6 +191,13 @@ class SamplingParams:
             raise _fail("ignore_eos", self.ignore_eos, "a bool")
         set_(self, "logit_bias", _normalise_bias(self.logit_bias))
         set_(self, "stop", _normalise_stop(self.stop))
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise _fail("constraint", self.constraint, "a Constraint or None")
+            if self.stop:
+                raise InvalidRequestError(
+                    "stop", "cannot be combined with a constraint: a stop string could cut its output short"
+                )
 
     def _validate_optional_ints(self) -> None:
         if self.seed is not None and not _SEED_MIN <= _as_int("seed", self.seed) <= _SEED_MAX:

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from rsmem.engine.constraints import ConstraintCompiler
 from rsmem.engine.request import Completion, Request, Session
 from rsmem.engine.sampling import SamplingParams, make_generator
 from rsmem.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -124,6 +125,7 @@ class RequestBuilder:
     def __init__(self, limits: RequestLimits, tokenizer: TextTokenizer | None) -> None:
         self.limits = limits
         self.tokenizer = tokenizer
+        self.constraints = ConstraintCompiler(tokenizer, limits.n_vocab)
         self._ids = itertools.count()
 
     def build(
@@ -139,6 +141,7 @@ class RequestBuilder:
     ) -> Request:
         check_params(params, self.limits)
         check_placement(params, self.limits, session=session, slot=slot, held=held)
+        compiled = self.constraints.compile(params.constraint) if params.constraint is not None else None
         prompt_text = prompt if isinstance(prompt, str) else None
         tokens = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if session is not None:
@@ -156,6 +159,7 @@ class RequestBuilder:
                 index=i,
                 generator=make_generator(None if params.seed is None else params.seed + i),
                 detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
+                matcher=compiled.matcher() if compiled is not None else None,
             )
             for i in range(params.n)
         ]
