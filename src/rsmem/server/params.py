@@ -12,6 +12,7 @@ from rsmem.errors import InvalidRequestError
 from rsmem.server.errors import ApiError, invalid_request
 from rsmem.server.schemas import ChatRequest, CompletionRequest
 from rsmem.server.state import ServerSettings
+from rsmem.server.structured import refuse_unimplemented, request_constraint
 
 Body = CompletionRequest | ChatRequest
 Prompt = str | list[int]
@@ -29,8 +30,11 @@ def check_model(body: Body, settings: ServerSettings) -> None:
 
 
 def sampling_params(body: Body, max_tokens: int | None, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
-    """The request's sampling parameters; a value the engine refuses is a 400 naming the JSON field."""
+    """The request's sampling parameters and constraint; a value the engine refuses is a 400 naming the
+    JSON field. ``extra_stop`` (a chat template's) is dropped under a constraint, which decides the end."""
     try:
+        refuse_unimplemented(body)
+        constraint = request_constraint(body)
         return SamplingParams(
             temperature=body.temperature,
             top_p=body.top_p,
@@ -42,9 +46,10 @@ def sampling_params(body: Body, max_tokens: int | None, extra_stop: tuple[str, .
             logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
             seed=body.seed,
             max_tokens=max_tokens,
-            stop=tuple(body.stop or ()) + extra_stop,
+            stop=tuple(body.stop or ()) + (extra_stop if constraint is None else ()),
             n=body.n,
             logprobs=logprobs_count(body),
+            constraint=constraint,
         )
     except InvalidRequestError as exc:
         raise invalid_request(exc) from exc

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from rsmem.engine.tokenizer import unicode_problem
+from rsmem.server.structured import StructuredFields
 
 INVALID_TEXT = "invalid_text"  # the pydantic error type of text that is not Unicode; ctx["path"] names it
 
@@ -23,7 +24,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk, before [DONE], with "choices": [] and the usage
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(StructuredFields):  # the constraint fields and the refused ones: structured.py
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
