@@ -2,7 +2,9 @@
 
 ``-n -1`` means no limit, ``--seed -1`` draws a seed (and prints it, so the run can be repeated), and
 ``-p``/``--stop`` text understands backslash escapes (``\\n``, ``\\t``, ``\\\\``, ``\\"``, ``\\xHH``) unless
-``--no-escape`` is given. :data:`FLAG_OF_FIELD` maps a :class:`SamplingParams` field back to the flag the
+``--no-escape`` is given. ``--grammar``/``--grammar-file`` (GBNF) and ``-j``/``--json-schema`` (or
+``-jf``/``--json-schema-file``) constrain the output, as llama-cli's do; at most one of them.
+:data:`FLAG_OF_FIELD` maps a :class:`SamplingParams` field back to the flag the
 user typed, so an error can name it.
 """
 
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rsmem.engine import SamplingParams
+    from rsmem.engine.constraints import Constraint
 
 UNLIMITED = -1  # -n -1: until EOS, a stop string or Ctrl-C (llama.cpp's n_predict = -1)
 RANDOM_SEED = -1  # --seed -1: draw one (llama.cpp's LLAMA_DEFAULT_SEED)
@@ -80,6 +83,17 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
         "-e", "--escape", action="store_true", default=True, help="process escapes in -p and --stop (default)"
     )
     p.add_argument("--no-escape", dest="escape", action="store_false", help="take -p and --stop literally")
+    add_constraint_options(p)
+
+
+def add_constraint_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("structured output (at most one)").add_mutually_exclusive_group()
+    group.add_argument(
+        "--grammar", metavar="GBNF", help="constrain the output to a GBNF grammar (llama.cpp's)"
+    )
+    group.add_argument("--grammar-file", metavar="FILE", help="--grammar, read from FILE")
+    group.add_argument("-j", "--json-schema", metavar="SCHEMA", help="constrain the output to a JSON schema")
+    group.add_argument("-jf", "--json-schema-file", metavar="FILE", help="--json-schema, read from FILE")
 
 
 def check_sampling_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -96,7 +110,10 @@ def sampling_params(args: argparse.Namespace, *, default_stop: tuple[str, ...] =
     """
     from rsmem.engine import SamplingParams
 
-    stops = tuple(unescape(s) if args.escape else s for s in args.stop) or default_stop
+    constraint = constraint_of(args)
+    stops = tuple(unescape(s) if args.escape else s for s in args.stop)
+    if constraint is None:  # under a constraint the grammar decides where the output ends
+        stops = stops or default_stop
     return SamplingParams(
         max_tokens=None if args.max_tokens == UNLIMITED else args.max_tokens,
         temperature=args.temp,
@@ -110,7 +127,26 @@ def sampling_params(args: argparse.Namespace, *, default_stop: tuple[str, ...] =
         seed=resolve_seed(args.seed),
         stop=stops,
         ignore_eos=args.ignore_eos,
+        constraint=constraint,
     )
+
+
+def constraint_of(args: argparse.Namespace) -> Constraint | None:
+    """The constraint the options ask for; a file that cannot be read is an OSError, a schema that is
+    not JSON an InvalidRequestError naming its flag."""
+    from rsmem.engine.constraints import Constraint
+
+    if args.grammar is not None:
+        return Constraint.grammar(args.grammar, field="--grammar")
+    if args.grammar_file is not None:
+        with open(args.grammar_file, encoding="utf-8") as f:
+            return Constraint.grammar(f.read(), field="--grammar-file")
+    if args.json_schema is not None:
+        return Constraint("json_schema", args.json_schema, "--json-schema")
+    if args.json_schema_file is not None:
+        with open(args.json_schema_file, encoding="utf-8") as f:
+            return Constraint("json_schema", f.read(), "--json-schema-file")
+    return None
 
 
 def resolve_seed(seed: int | None) -> int | None:
