@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rsmem.engine import CompletionOutput, FinishReason, RequestOutput, TokenLogprobs
+from rsmem.server.chat_output import ChatDeltas
 from rsmem.server.errors import SERVER, ApiError, failed_generation
 from rsmem.server.runner import Report, StepFailure
 
@@ -166,12 +167,16 @@ class CompletionChunks:
 
 @dataclass(slots=True)
 class ChatChunks:
-    """``chat.completion.chunk`` chunks: the first of each choice carries ``role``."""
+    """``chat.completion.chunk`` chunks: the first of each choice carries ``role``. With reasoning or
+    tools (``deltas``' shape) a report's text may give several deltas (reasoning, content, each call's
+    name then arguments) or none yet (text held back): the log-probs ride on the first chunk, the
+    finish reason on the last."""
 
     env: Envelope
     token_text: TokenText
     with_usage: bool = False
     started: set[int] = field(default_factory=set)
+    deltas: ChatDeltas = field(default_factory=ChatDeltas)
 
     def opening(self) -> list[Json]:
         """Nothing before the first token (its chunk carries the role)."""
@@ -180,20 +185,24 @@ class ChatChunks:
     def chunks(self, out: RequestOutput) -> list[Json]:
         result = []
         for c, index, lps in changed_choices(self.env, out):
-            delta: Json = {}
+            deltas, reason = self.deltas.of(index).deltas(c)
+            logprobs = chat_logprobs(lps, self.token_text)
+            if not deltas:
+                if reason is None and logprobs is None:
+                    continue  # text held back until it is known
+                deltas = [{}]
             if index not in self.started:
                 self.started.add(index)
-                delta["role"] = "assistant"
-            if c.delta_text:
-                delta["content"] = c.delta_text
-            choice = {
-                "index": index,
-                "delta": delta,
-                "logprobs": chat_logprobs(lps, self.token_text),
-                "finish_reason": finish_reason(c),
-            }
+                deltas[0] = {"role": "assistant"} | deltas[0]
             extra = {"usage": None} if self.with_usage else {}
-            result.append(self.env.wrap("chat.completion.chunk", [choice], **extra))
+            for k, delta in enumerate(deltas):
+                choice = {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs if k == 0 else None,
+                    "finish_reason": reason if k == len(deltas) - 1 else None,
+                }
+                result.append(self.env.wrap("chat.completion.chunk", [choice], **extra))
         return result
 
     def usage_chunk(self, outs: Sequence[RequestOutput]) -> Json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -12,8 +13,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rsmem.engine import RequestOutput, SamplingParams
 from rsmem.errors import InvalidRequestError
+from rsmem.server.chat_output import ChatDeltas, ChatShape, chat_message
 from rsmem.server.errors import SERVER, ApiError, invalid_request
 from rsmem.server.params import Prompt, check_model, completion_prompts, sampling_params, slot_of
+from rsmem.server.reasoning import thinking_started
 from rsmem.server.responses import (
     ChatChunks,
     CompletionChunks,
@@ -27,6 +30,8 @@ from rsmem.server.runner import EngineStoppedError, QueueFullError, Submission
 from rsmem.server.schemas import ChatRequest, CompletionRequest
 from rsmem.server.state import AppState, app_state
 from rsmem.server.streaming import collect, stream_events
+from rsmem.server.tool_grammar import tool_constraint
+from rsmem.server.tools import template_messages, tool_request
 
 router = APIRouter()
 
@@ -121,24 +126,29 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     state = app_state(request)
     check_model(body, state.settings)
     template = state.settings.chat_template
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
-    ]
     try:
-        prompt = template.render(messages)
-        prefixes = template.message_prefixes(messages)
+        tools = tool_request(body, template)
+        messages, tool_list = template_messages(body, template, tools)
+    except InvalidRequestError as exc:
+        raise invalid_request(exc) from exc
+    try:
+        prompt = template.render(messages, tools=tool_list)
+        prefixes = template.message_prefixes(messages, tool_list)
     except Exception as exc:  # a model's own Jinja template may refuse a conversation
         raise ApiError(400, f"the chat template failed: {exc}", param="messages") from exc
+    thinking = thinking_started(prompt, prefixes[-1] if prefixes else None) if template.thinks else None
+    shape = ChatShape(thinking, tools)
     max_tokens = body.max_completion_tokens or body.max_tokens or state.settings.chat_max_tokens
-    params = sampling_params(body, max_tokens, template.stop)
+    forced = tools is not None and tools.forced  # the grammar ends the answer: no template stop
+    params = chat_params(sampling_params(body, max_tokens, () if forced else template.stop), shape)
     tokens, boundaries = message_boundaries(state, prompt, prefixes)
     sub = await submit(state, [tokens], params, slot_of(body), "chatcmpl", boundaries)
     env = Envelope(sub.request_ids[0], int(time.time()), state.settings.model_name, sub.request_ids, body.n)
     if body.stream:
-        fmt = ChatChunks(env, state.token_text, include_usage(body))
+        fmt = ChatChunks(env, state.token_text, include_usage(body), deltas=ChatDeltas(shape))
         return event_stream(state, sub, fmt, include_usage(body))
     outs = await collect(request, state.runner, sub)
-    return JSONResponse(env.wrap("chat.completion", chat_choices(state, outs[0]), usage=usage(outs)))
+    return JSONResponse(env.wrap("chat.completion", chat_choices(state, outs[0], shape), usage=usage(outs)))
 
 
 def message_boundaries(
@@ -168,13 +178,23 @@ def message_boundaries(
     return tokens, boundaries
 
 
-def chat_choices(state: AppState, out: RequestOutput) -> list[dict[str, Any]]:
-    return [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(c.logprobs, state.token_text),
-            "finish_reason": finish_reason(c),
-        }
-        for c in out.outputs
-    ]
+def chat_choices(state: AppState, out: RequestOutput, shape: ChatShape) -> list[dict[str, Any]]:
+    choices = []
+    for c in out.outputs:
+        message, reason = chat_message(shape, c)
+        logprobs = chat_logprobs(c.logprobs, state.token_text)
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
+    return choices
+
+
+def chat_params(params: SamplingParams, shape: ChatShape) -> SamplingParams:
+    """The sampling parameters with the constraint of a forced call (``tool_choice`` required or named)."""
+    if shape.tools is None or not shape.tools.forced:
+        return params
+    if params.constraint is not None:
+        message = f"tool_choice {shape.tools.choice!r} cannot be combined with another constraint"
+        raise ApiError(400, message, param="tool_choice")
+    try:
+        return dataclasses.replace(params, constraint=tool_constraint(shape.tools, shape.thinking))
+    except InvalidRequestError as exc:  # a stop string: it could cut the call short
+        raise invalid_request(exc) from exc

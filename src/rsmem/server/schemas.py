@@ -113,11 +113,62 @@ class CompletionRequest(_SamplingFields):
                 yield f"prompt[{i}]", p
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str | dict[str, object] = "{}"  # OpenAI sends a JSON string; a mapping is taken too
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (sent back in the conversation)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, object] | None = None  # a JSON schema of the arguments (an object)
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, object]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_calls: list[MessageToolCall] | None = None  # an assistant message: the calls it made
+    reasoning_content: str | None = None  # an assistant message: its thinking (as this server returns it)
+    reasoning: str | None = None  # the same, as some clients name it
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -132,6 +183,14 @@ class ChatMessage(BaseModel):
             text = part.get("text")
             if part.get("type") == "text" and isinstance(text, str):
                 yield f"{path}.content[{j}].text", text
+        for name in ("name", "tool_call_id", "reasoning_content", "reasoning"):
+            value = getattr(self, name)
+            if value is not None:
+                yield f"{path}.{name}", value
+        for j, call in enumerate(self.tool_calls or ()):
+            yield f"{path}.tool_calls[{j}].function.name", call.function.name
+            if isinstance(call.function.arguments, str):
+                yield f"{path}.tool_calls[{j}].function.arguments", call.function.arguments
 
 
 class ChatRequest(_SamplingFields):
@@ -139,11 +198,18 @@ class ChatRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def texts(self) -> Iterator[tuple[str, str]]:
         yield from super().texts()
         for i, m in enumerate(self.messages):
             yield from m.texts(f"messages[{i}]")
+        for i, tool in enumerate(self.tools or ()):
+            yield f"tools[{i}].function.name", tool.function.name
+            if tool.function.description is not None:
+                yield f"tools[{i}].function.description", tool.function.description
 
 
 class SlotAction(BaseModel):

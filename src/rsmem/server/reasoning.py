@@ -1,0 +1,80 @@
+"""Reasoning: the thinking of a model whose template thinks (``<think>`` ... ``</think>``, e.g. Qwen3 and
+Qwen3.5) goes to ``reasoning_content``, the rest to ``content``.
+
+The answer is thinking from its start when the generation prompt opened a ``<think>`` it did not close
+(:func:`thinking_started`), or when the answer itself starts, after white space, with ``<think>``.
+The thinking ends at the first ``</think>``; newlines at its start and end are dropped, as are the
+newlines that follow ``</think>`` (what Qwen's templates drop when they render an earlier turn).
+An answer that ends while thinking is all reasoning. As with the calls, :class:`ReasoningSplitter`
+gives the same split whether the text comes whole or in pieces: text that may be the start of
+``<think>`` or ``</think>`` is held back until it is known.
+"""
+
+from __future__ import annotations
+
+from rsmem.server.tool_parser import held_prefix
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def thinking_started(prompt: str, history: str | None) -> bool:
+    """Whether the generation prompt (``prompt`` past the rendered ``history``, when it starts with it)
+    leaves the model inside ``<think>``."""
+    tail = prompt[len(history) :] if history is not None and prompt.startswith(history) else prompt
+    return tail.rfind(OPEN) > tail.rfind(CLOSE)
+
+
+class ReasoningSplitter:
+    """Splits one choice's text into ``("reasoning", text)`` and ``("content", text)`` events."""
+
+    def __init__(self, started: bool) -> None:
+        self.state = "lead" if started else "start"
+        self.buf = ""
+
+    def push(self, text: str) -> list[tuple[str, str]]:
+        self.buf += text
+        out: list[tuple[str, str]] = []
+        while True:
+            if self.state == "start":
+                head = self.buf.lstrip()
+                if len(head) < len(OPEN) and OPEN.startswith(head):
+                    return out  # blank so far, or the start of "<think>"
+                if head.startswith(OPEN):
+                    self.buf, self.state = head[len(OPEN) :], "lead"
+                else:
+                    self.state = "content"
+            elif self.state in ("lead", "after"):  # newlines after <think> / after </think>
+                self.buf = self.buf.lstrip("\n")
+                if not self.buf:
+                    return out
+                self.state = "think" if self.state == "lead" else "content"
+            elif self.state == "think":
+                i = self.buf.find(CLOSE)
+                if i >= 0:
+                    _emit(out, "reasoning", self.buf[:i].rstrip("\n"))
+                    self.buf, self.state = self.buf[i + len(CLOSE) :], "after"
+                    continue
+                keep = held_prefix(self.buf, CLOSE)
+                head = self.buf[: len(self.buf) - keep]
+                said = head.rstrip("\n")  # newlines may be the last before </think>: held
+                _emit(out, "reasoning", said)
+                self.buf = self.buf[len(said) :]
+                return out
+            else:
+                _emit(out, "content", self.buf)
+                self.buf = ""
+                return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        if self.state in ("start", "content"):
+            _emit(out, "content", self.buf)
+        elif self.state == "think":
+            _emit(out, "reasoning", self.buf.rstrip("\n"))
+        self.buf = ""
+        return out
+
+
+def _emit(out: list[tuple[str, str]], kind: str, text: str) -> None:
+    if text:
+        out.append((kind, text))

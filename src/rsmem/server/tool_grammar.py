@@ -1,0 +1,69 @@
+"""The constraint of a forced call (``tool_choice`` ``required`` or a named function): an llguidance Lark
+grammar of the family's call syntax whose arguments are ``%json`` of the function's ``parameters``, so
+every answer is a call (or, with ``parallel_tool_calls``, calls) the parser of ``tool_parser.py`` reads
+and whose arguments validate against the schema.
+
+- ``hermes``: ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, calls one per line.
+- ``lfm2``: ``<|tool_call_start|>[{"name": "f", "arguments": {...}}, ...]<|tool_call_end|>``, the JSON
+  form of LFM2's calls (Python literals cannot carry every JSON value exactly).
+- ``generic``: ``{"tool_call": {"name": "f", "arguments": {...}}}`` or ``{"tool_calls": [...]}``.
+
+The arguments are compact JSON with ``", "`` and ``": "`` separators (as ``json.dumps`` writes them).
+For a template that thinks, the grammar first lets the model think: free text up to the first
+``</think>`` (from the answer's start when the prompt opened ``<think>``, else after an optional
+``<think>``), then the newlines it writes; the calls follow.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rsmem.engine.constraints import Constraint
+from rsmem.server.tools import Family, ToolRequest
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
+THINKING = r"REASONING: /(?s:.*)<\/think>/ & ~/(?s:.*<\/think>.+)/"
+
+
+def tool_grammar(tools: ToolRequest, thinking: bool | None) -> str:
+    """The Lark grammar of a forced call (see the module docstring)."""
+    names = [tools.name] if tools.name is not None else list(tools.functions)
+    rules = [f"call: {' | '.join(f'call{i}' for i in range(len(names)))}"]
+    for i, name in enumerate(names):
+        head = _lit(f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ')
+        rules.append(f'call{i}: {head} args{i} "}}"')
+        rules.append(f"args{i}: %json {json.dumps(_styled(tools.functions[name]), ensure_ascii=False)}")
+    if tools.family is Family.HERMES:
+        rules.append(r'block: "<tool_call>\n" call "\n</tool_call>"')
+        calls = 'block ("\\n" block)*' if tools.parallel else "block"
+    elif tools.family is Family.LFM2:
+        items = 'call (", " call)*' if tools.parallel else "call"
+        calls = f'"<|tool_call_start|>[" {items} "]<|tool_call_end|>"'
+    elif tools.parallel:
+        calls = '"{\\"tool_calls\\": [" call (", " call)* "]}"'
+    else:
+        calls = '"{\\"tool_call\\": " call "}"'
+    if thinking is None:
+        start = f"start: {calls}"
+    elif thinking:
+        start = f"start: REASONING /\\n*/ {calls}\n{THINKING}"
+    else:
+        start = f'start: ("<think>" REASONING /\\n*/)? {calls}\n{THINKING}'
+    return "\n".join([start, *rules]) + "\n"
+
+
+def tool_constraint(tools: ToolRequest, thinking: bool | None) -> Constraint:
+    """The constraint of a forced call; the engine refuses (400 naming ``tools``) a schema it cannot
+    enforce when it compiles it."""
+    return Constraint.lark(tool_grammar(tools, thinking), field="tools")
+
+
+def _styled(schema: dict[str, Any]) -> dict[str, Any]:
+    user = schema.get("x-guidance")
+    return {**schema, "x-guidance": {**(user if isinstance(user, dict) else {}), **JSON_STYLE}}
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal of ``text``."""
+    return json.dumps(text, ensure_ascii=False)
