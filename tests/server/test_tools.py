@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -77,14 +78,34 @@ def live(shared_llm: LLM) -> Iterator[LiveServer]:
         yield server
 
 
-@pytest.fixture
-def hermes(live: LiveServer) -> Iterator[LiveServer]:
+# LFM2's tool part: the tools listed in the system turn, calls between <|tool_call_start|> markers
+LFM2 = """{%- if tools %}<|im_start|>system
+List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|><|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+TEMPLATES = {"hermes": HERMES, "lfm2": LFM2}
+
+
+@contextmanager
+def serving(live: LiveServer, family: str) -> Iterator[LiveServer]:
+    """The server with the family's template (the plain one for ``generic``)."""
     plain = live.settings.chat_template
-    live.settings.chat_template = ChatTemplate(HERMES, eos_token="</s>")
+    if family in TEMPLATES:
+        live.settings.chat_template = ChatTemplate(TEMPLATES[family], eos_token="</s>")
     try:
         yield live
     finally:
         live.settings.chat_template = plain
+
+
+@pytest.fixture
+def hermes(live: LiveServer) -> Iterator[LiveServer]:
+    with serving(live, "hermes") as server:
+        yield server
 
 
 def chat(live: LiveServer, **body: Any) -> httpx.Response:
@@ -137,9 +158,13 @@ def check_calls(message: dict[str, Any], names: set[str]) -> None:
         jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
 
 
-@pytest.mark.parametrize("family", ["generic", "hermes"])
-def test_required_calls_validate_and_stream_the_same(live: LiveServer, family: str, request) -> None:
-    server = request.getfixturevalue("hermes") if family == "hermes" else live
+@pytest.mark.parametrize("family", ["generic", "hermes", "lfm2"])
+def test_required_calls_validate_and_stream_the_same(live: LiveServer, family: str) -> None:
+    with serving(live, family) as server:
+        required_calls_validate_and_stream_the_same(server)
+
+
+def required_calls_validate_and_stream_the_same(server: LiveServer) -> None:
     r = chat(server, tool_choice="required", n=2, parallel_tool_calls=False)
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
@@ -175,11 +200,11 @@ def test_parallel_calls_validate_unless_cut_by_max_tokens(hermes: LiveServer) ->
     assert got["content"] == choice["message"]["content"]
 
 
-@pytest.mark.parametrize("family", ["generic", "hermes"])
-def test_named_choice_calls_that_function_once(live: LiveServer, family: str, request) -> None:
-    server = request.getfixturevalue("hermes") if family == "hermes" else live
+@pytest.mark.parametrize("family", ["generic", "hermes", "lfm2"])
+def test_named_choice_calls_that_function_once(live: LiveServer, family: str) -> None:
     named = {"type": "function", "function": {"name": "time"}}
-    r = chat(server, tool_choice=named, parallel_tool_calls=False, temperature=1.5, seed=3)
+    with serving(live, family) as server:
+        r = chat(server, tool_choice=named, parallel_tool_calls=False, temperature=1.5, seed=3)
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     check_calls(message, {"time"})
