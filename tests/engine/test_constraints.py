@@ -15,11 +15,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_engine import byte_tokenizer
 
+from helpers.rwkv_reference import random_rwkv7, world_vocab, write_rwkv_gguf
 from rsmem.engine import LLM, FinishReason, RequestOutput, SamplingParams
 from rsmem.engine.constraints import Constraint, ConstraintCompiler, mask_constrained
 from rsmem.engine.request import Completion, Request
 from rsmem.errors import InvalidRequestError
+from rsmem.loaders.rwkv.build import rwkv7_from_blink
+from rsmem.models import DecayedSumModel
 
 CORPUS = json.loads((Path(__file__).parents[1] / "fixtures" / "structured" / "schemas.json").read_text())
 
@@ -270,3 +274,40 @@ def test_a_failing_matcher_fails_its_request_alone(llm: LLM) -> None:
     assert finals[good].outputs[0].finish_reason is FinishReason.LENGTH
     assert re.fullmatch("[a-z]+", finals[good].text)
     assert llm.context.memory.used == 0
+
+
+def test_an_rwkv_tokenizer_constrains_too(tmp_path: Path) -> None:
+    """RWKV's own tokenizer (bytes per token, greedy longest match) goes to llguidance as a token list."""
+    vocab = world_vocab()
+    config, tensors = rwkv7_from_blink(random_rwkv7(64, 1, len(vocab), seed=8))
+    write_rwkv_gguf(tmp_path / "rwkv7.gguf", "rwkv7", config, tensors, vocab)
+    llm = LLM(tmp_path / "rwkv7.gguf", n_seq_max=3)
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "yz"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    for constraint, check in [
+        (Constraint.json_schema(schema), lambda text: jsonschema.validate(json.loads(text), schema)),
+        (Constraint.choice(["Ünï", "cödé"]), lambda text: text in ("Ünï", "cödé")),
+    ]:
+        out = llm.generate(
+            "Hello", SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=30, constraint=constraint)
+        )
+        for c in out[0].outputs:
+            assert c.finish_reason is FinishReason.STOP
+            assert check(c.text) in (None, True), c.text
+
+
+def test_logits_wider_than_the_tokenizer_never_allow_the_extra_ids() -> None:
+    """A model whose vocabulary is padded past its tokenizer's: the ids no token has are masked."""
+    llm = LLM(
+        DecayedSumModel(n_vocab=320, n_embd=6, n_layer=2, seed=3), tokenizer=byte_tokenizer(), n_seq_max=2
+    )
+    params = SamplingParams(
+        temperature=1.5, seed=4, n=2, max_tokens=12, constraint=Constraint.regex("[a-c]{3,6}")
+    )
+    for c in llm.generate("abc", params)[0].outputs:
+        assert all(t < 257 for t in c.token_ids)
+        assert c.finish_reason is FinishReason.LENGTH or re.fullmatch("[a-c]{3,6}", c.text)

@@ -144,10 +144,11 @@ class ConstraintError(RuntimeError):
 class Matcher:
     """One completion's position in its constraint."""
 
-    __slots__ = ("_m",)
+    __slots__ = ("_m", "vocab_size")
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._m = matcher
+        self.vocab_size = vocab_size  # the width of its masks (llguidance's view of the vocabulary)
 
     @property
     def llmatcher(self) -> llguidance.LLMatcher:
@@ -165,7 +166,7 @@ class Matcher:
         return self._m.compute_ff_tokens()
 
     def clone(self) -> Matcher:
-        return Matcher(self._m.deep_copy())
+        return Matcher(self._m.deep_copy(), self.vocab_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,9 +175,10 @@ class CompiledConstraint:
 
     constraint: Constraint
     _start: llguidance.LLMatcher
+    vocab_size: int
 
     def matcher(self) -> Matcher:
-        return Matcher(self._start.deep_copy())
+        return Matcher(self._start.deep_copy(), self.vocab_size)
 
 
 class ConstraintCompiler:
@@ -200,7 +202,7 @@ class ConstraintCompiler:
             start = self._cache.get(key)
             if start is not None:
                 self._cache.move_to_end(key)
-                return CompiledConstraint(constraint, start)
+                return CompiledConstraint(constraint, start, self._vocab())
         tokenizer = self._ll_tokenizer(constraint.field)
         grammar = _grammar_text(constraint)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
@@ -213,7 +215,11 @@ class ConstraintCompiler:
             self._cache[key] = start
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return CompiledConstraint(constraint, start)
+        return CompiledConstraint(constraint, start, self._vocab())
+
+    def _vocab(self) -> int:
+        assert self._lltok is not None
+        return self._lltok.vocab_size
 
     def _ll_tokenizer(self, field: str) -> llguidance.LLTokenizer:
         if self._lltok is not None:
@@ -225,17 +231,42 @@ class ConstraintCompiler:
             )
         if tok.eos_token_id is None:
             raise InvalidRequestError(
-                field, "needs an end-of-sequence token, and this model's tokenizer has none"
+                field, "needs an end-of-sequence token; this model's tokenizer has none"
             )
-        import llguidance
-
         try:
-            self._lltok = llguidance.LLTokenizer(
-                tok.tokenizer.to_str(), n_vocab=self.n_vocab, eos_token=tok.eos_token_id
-            )
-        except Exception as exc:  # the tokenizer's JSON form is one llguidance cannot read
+            self._lltok = _ll_tokenizer(tok, tok.eos_token_id, self.n_vocab)
+        except Exception as exc:  # a tokenizer llguidance cannot read
             raise InvalidRequestError(field, f"cannot be used with this model's tokenizer: {exc}") from exc
         return self._lltok
+
+
+def _ll_tokenizer(tok: TextTokenizer, eos: int, n_vocab: int) -> llguidance.LLTokenizer:
+    """llguidance's view of ``tok``: a ``tokenizers.Tokenizer`` from its JSON form; a tokenizer that lists
+    each token's bytes (RWKV's) through llguidance's ``TokenizerWrapper``."""
+    import llguidance
+    from tokenizers import Tokenizer
+
+    inner: Any = tok.tokenizer
+    if isinstance(inner, Tokenizer):
+        return llguidance.LLTokenizer(
+            inner.to_str(), n_vocab=max(n_vocab, inner.get_vocab_size()), eos_token=eos
+        )
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens(inner, eos)))
+
+
+class _ByteTokens:
+    """What ``llguidance.TokenizerWrapper`` reads: each token's bytes, the special ids, an encoder."""
+
+    def __init__(self, inner: Any, eos: int) -> None:
+        self.tokens: list[bytes] = list(inner.tokens)
+        self.eos_token_id = eos
+        self.bos_token_id = None
+        self.special_token_ids = sorted(getattr(inner, "special", ()))
+        self._inner = inner
+
+    def __call__(self, data: bytes) -> list[int]:
+        ids: list[int] = self._inner.encode_bytes(data)[0]
+        return ids
 
 
 def _grammar_text(c: Constraint) -> str:
@@ -280,15 +311,19 @@ def _llexecutor() -> llguidance.LLExecutor:
 
 
 def allowed_tokens(matchers: Sequence[Matcher], n_vocab: int) -> tuple[torch.Tensor, list[str | None]]:
-    """``[len(matchers), n_vocab]`` bool: the tokens each matcher allows next, computed together; and
-    per matcher an error (a matcher in an error state, or one that allows no token) or None."""
-    words = (n_vocab + 31) // 32
+    """``[len(matchers), n_vocab]`` bool: the tokens each matcher allows next, computed together (the
+    matchers share one tokenizer; ids it does not know are never allowed); and per matcher an error (a
+    matcher in an error state, or one that allows no token) or None."""
+    width = matchers[0].vocab_size
+    words = (width + 31) // 32
     bits = torch.zeros(len(matchers), words, dtype=torch.int32)
     _llexecutor().unsafe_compute_mask_ptr(
         [(m.llmatcher, i) for i, m in enumerate(matchers)], bits.data_ptr(), words * 4, len(matchers)
     )
-    unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")[:, :n_vocab]
+    unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")[:, : min(width, n_vocab)]
     allowed = torch.from_numpy(unpacked).bool()
+    if allowed.shape[1] < n_vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, n_vocab - allowed.shape[1]))
     any_allowed = allowed.any(dim=1).tolist()
     errors: list[str | None] = []
     for m, ok in zip(matchers, any_allowed):
