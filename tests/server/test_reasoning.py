@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from helpers.server import LiveServer, start_server
 from rsmem.engine import LLM
-from rsmem.engine.constraints import ConstraintCompiler
+from rsmem.engine.constraints import Constraint, ConstraintCompiler
 from rsmem.server.chat import ChatTemplate
-from rsmem.server.reasoning import ReasoningSplitter, thinking_started
+from rsmem.server.reasoning import ReasoningSplitter, after_thinking, thinking_started
 from rsmem.server.tool_grammar import tool_constraint
 from rsmem.server.tools import Family, ToolRequest
 
@@ -94,6 +94,39 @@ def test_a_forced_call_comes_after_the_thinking(shared_llm: LLM):
     assert not accepts(compiler, None, CALL.replace("Oslo", "Rome"))
 
 
+@pytest.mark.parametrize(
+    ("constraint", "answer", "wrong"),
+    [
+        (
+            Constraint.json_schema({"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"]}),
+            '{"a":1}',
+            '{"a":2}',
+        ),
+        (Constraint.json_object(), '{"b":[]}', "[]"),
+        (Constraint.regex("[0-9]{2}/x"), "42/x", "4/x"),
+        (Constraint.choice(["yes", "no"]), "no", "maybe"),
+        (Constraint.grammar('root ::= "{" root? "}"'), "{{}}", "{{}"),
+        (Constraint.lark('start: "x" %json{"type": "integer"}'), "x12", "x1.5"),
+    ],
+)
+def test_a_response_format_applies_after_the_thinking(shared_llm: LLM, constraint, answer, wrong):
+    compiler = ConstraintCompiler(shared_llm.tokenizer, shared_llm.context.n_vocab)
+
+    def ok(c: Constraint, text: str) -> bool:
+        matcher = compiler.compile(c).matcher()
+        for token in shared_llm.tokenizer.encode(text):
+            if not matcher.llmatcher.consume_token(token):
+                return False
+        return matcher.llmatcher.is_accepting()
+
+    started, optional = after_thinking(constraint, True), after_thinking(constraint, False)
+    assert started.field == constraint.field
+    assert ok(started, "Hm, {x} </think>\n\n" + answer) and not ok(started, answer)
+    assert not ok(started, "Hm</think>\n" + wrong)
+    assert ok(optional, answer) and ok(optional, "<think>x</think>" + answer)
+    assert not ok(optional, "<think>x</think>" + wrong)
+
+
 # A Qwen3.5-like template: the generation prompt opens the thinking
 THINKING = """{%- for m in messages %}<|im_start|>{{ m.role }}
 {% if m.reasoning_content %}<think>
@@ -145,3 +178,16 @@ def test_reasoning_content_whole_and_streamed(thinker: LiveServer):
         content += delta.get("content") or ""
     assert reasoning == whole["reasoning_content"]
     assert (content or None) == whole["content"]
+
+
+def test_a_response_format_on_a_thinking_template(thinker: LiveServer):
+    """The model thinks first (the tiny one does not stop in 30 tokens): reasoning, no content; a
+    grammar that does not parse is still refused, naming its field."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    r = post(thinker, response_format=fmt)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning_content"] and message["content"] is None
+    bad = post(thinker, grammar="root ::= undefined")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "grammar", bad.text

@@ -8,13 +8,21 @@ newlines that follow ``</think>`` (what Qwen's templates drop when they render a
 An answer that ends while thinking is all reasoning. As with the calls, :class:`ReasoningSplitter`
 gives the same split whether the text comes whole or in pieces: text that may be the start of
 ``<think>`` or ``</think>`` is held back until it is known.
+
+A constraint (a forced call, a response format) applies from the end of the thinking: its grammar is
+nested in one that lets the model think first (:func:`thinking_first`, :func:`after_thinking`).
 """
 
 from __future__ import annotations
 
+import json
+
+from rsmem.engine.constraints import Constraint, _grammar_text
 from rsmem.server.tool_parser import held_prefix
 
 OPEN, CLOSE = "<think>", "</think>"
+# Lark: text up to and with the first </think> (one lexeme, so it cannot run past it)
+REASONING = r"REASONING: /(?s:.*)<\/think>/ & ~/(?s:.*<\/think>.+)/"
 
 
 def thinking_started(prompt: str, history: str | None) -> bool:
@@ -78,3 +86,27 @@ class ReasoningSplitter:
 def _emit(out: list[tuple[str, str]], kind: str, text: str) -> None:
     if text:
         out.append((kind, text))
+
+
+def thinking_first(started: bool, answer: str) -> str:
+    """The ``start`` rule of a Lark grammar that lets the model think, then derives ``answer`` (an
+    expression of the grammar): free text up to the first ``</think>`` when the prompt opened the
+    thinking, else an optional ``<think>`` ... ``</think>``; then the newlines the model writes."""
+    if started:
+        return f"start: REASONING /\\n*/ {answer}\n{REASONING}\n"
+    return f'start: ("<think>" REASONING /\\n*/)? {answer}\n{REASONING}\n'
+
+
+def after_thinking(constraint: Constraint, started: bool) -> Constraint:
+    """``constraint`` applied from the end of the thinking (a response format of a thinking model):
+    the same grammar, nested in one that lets the model think first; refusals still name its field."""
+    text = _grammar_text(constraint)
+    if text.lstrip().startswith("{"):  # llguidance's JSON form: one grammar, a schema or Lark text
+        (grammar,) = json.loads(text)["grammars"]
+        if grammar.get("json_schema") is not None:
+            answer = f"answer: %json {json.dumps(grammar['json_schema'], ensure_ascii=False)}"
+            return Constraint.lark(thinking_first(started, "answer") + answer + "\n", field=constraint.field)
+        text = grammar["lark_grammar"]
+    inner = "\n".join(line for line in text.splitlines() if not line.startswith("%llguidance"))
+    answer = f"answer: %lark {{\n{inner}\n}}"
+    return Constraint.lark(thinking_first(started, "answer") + answer + "\n", field=constraint.field)

@@ -16,7 +16,7 @@ from rsmem.errors import InvalidRequestError
 from rsmem.server.chat_output import ChatDeltas, ChatShape, chat_message
 from rsmem.server.errors import SERVER, ApiError, invalid_request
 from rsmem.server.params import Prompt, check_model, completion_prompts, sampling_params, slot_of
-from rsmem.server.reasoning import thinking_started
+from rsmem.server.reasoning import after_thinking, thinking_started
 from rsmem.server.responses import (
     ChatChunks,
     CompletionChunks,
@@ -188,9 +188,15 @@ def chat_choices(state: AppState, out: RequestOutput, shape: ChatShape) -> list[
 
 
 def chat_params(params: SamplingParams, shape: ChatShape) -> SamplingParams:
-    """The sampling parameters with the constraint of a forced call (``tool_choice`` required or named)."""
+    """The sampling parameters with the constraint of a forced call (``tool_choice`` required or named);
+    for a template that thinks, the request's constraint applies from the end of the thinking."""
     if shape.tools is None or not shape.tools.forced:
-        return params
+        if params.constraint is None or shape.thinking is None:
+            return params
+        try:
+            return dataclasses.replace(params, constraint=after_thinking(params.constraint, shape.thinking))
+        except InvalidRequestError as exc:
+            raise invalid_request(exc) from exc
     if params.constraint is not None:
         message = f"tool_choice {shape.tools.choice!r} cannot be combined with another constraint"
         raise ApiError(400, message, param="tool_choice")

@@ -20,10 +20,10 @@ import json
 from typing import Any
 
 from rsmem.engine.constraints import Constraint
+from rsmem.server.reasoning import thinking_first
 from rsmem.server.tools import Family, ToolRequest
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
-THINKING = r"REASONING: /(?s:.*)<\/think>/ & ~/(?s:.*<\/think>.+)/"
 
 
 def tool_grammar(tools: ToolRequest, thinking: bool | None) -> str:
@@ -44,13 +44,8 @@ def tool_grammar(tools: ToolRequest, thinking: bool | None) -> str:
         calls = '"{\\"tool_calls\\": [" call (", " call)* "]}"'
     else:
         calls = '"{\\"tool_call\\": " call "}"'
-    if thinking is None:
-        start = f"start: {calls}"
-    elif thinking:
-        start = f"start: REASONING /\\n*/ {calls}\n{THINKING}"
-    else:
-        start = f'start: ("<think>" REASONING /\\n*/)? {calls}\n{THINKING}'
-    return "\n".join([start, *rules]) + "\n"
+    start = f"start: {calls}\n" if thinking is None else thinking_first(thinking, calls)
+    return start + "\n".join(rules) + "\n"
 
 
 def tool_constraint(tools: ToolRequest, thinking: bool | None) -> Constraint:
