@@ -6,6 +6,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from rsmem import Batch, Context
@@ -388,3 +390,24 @@ def test_llm_generate_stream_and_astream_agree():
 
     assert asyncio.run(collect()) == whole[1].text
     assert llm.context.memory.used == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 256), max_size=40))
+def test_byte_level_detokenizer_streams_what_decode_gives(ids):
+    tok = byte_tokenizer()
+    assert tok.byte_pieces() is not None  # the fast path is what this test checks
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.push(t) for t in ids]
+    assert "".join(deltas) + detok.flush() == tok.decode(ids)
+    # a delta never ends inside a character that later bytes complete
+    for k in range(len(ids)):
+        assert tok.decode(ids[: k + 1]).startswith("".join(deltas[: k + 1]))
+
+
+def test_detokenizer_without_byte_pieces_takes_the_decoding_path():
+    tok = byte_tokenizer()
+    tok.tokenizer.decoder = decoders.Sequence([decoders.ByteLevel()])
+    assert tok.byte_pieces() is None
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.push(b) for b in "añ".encode()] == ["a", "", "ñ"]

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from rsmem.engine import Sampler, SamplingParams, make_generator
 from rsmem.engine import truncation as truncation_mod
-from rsmem.engine.sampling import apply_penalties, token_counts
+from rsmem.engine.output import penalty_window
+from rsmem.engine.sampling import apply_penalties, penalize_seen, token_counts
 
 V = 10
 # Distinct logits in a scrambled order so that sorting actually matters.
@@ -379,3 +380,48 @@ def test_tiny_top_p_and_temperature_are_greedy_not_errors() -> None:
     ):
         out = SAMPLER.sample(LOGITS[:1], [params], generators=[make_generator(1)])
         assert out.tokens == [best] and out.errors == [None], params
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 49), max_size=30), min_size=1, max_size=4),
+    st.lists(st.integers(-1, 12), min_size=4, max_size=4),
+    st.floats(0.5, 2.0),
+    st.floats(-1.0, 1.0),
+    st.floats(-1.0, 1.0),
+)
+def test_sparse_penalties_are_the_dense_ones_bit_for_bit(histories, windows, rep, presence, frequency):
+    n_vocab = 50
+    x = torch.randn(len(histories), n_vocab, generator=torch.Generator().manual_seed(len(histories)))
+    x[0, 3] = 0.0
+    x[0, 4] = -math.inf
+    params = [
+        SamplingParams(
+            repetition_penalty=rep,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            penalty_last_n=windows[k] if windows[k] != 0 else 1,
+        )
+        for k in range(len(histories))
+    ]
+    counts = token_counts(histories, [p.penalty_last_n for p in params], n_vocab)
+    dense = apply_penalties(x.clone(), counts, params)
+    sparse = x.clone()
+    penalize_seen(sparse, list(range(len(histories))), histories, params)
+    assert torch.equal(dense, sparse)
+
+
+@given(
+    st.lists(st.integers(0, 9), max_size=12), st.lists(st.integers(0, 9), max_size=12), st.integers(-1, 30)
+)
+def test_penalty_window_is_the_tail_of_prompt_and_output(prompt, generated, n):
+    whole = prompt + generated
+    assert penalty_window(prompt, generated, n) == (
+        whole if n < 0 else whole[max(0, len(whole) - n) :] if n else []
+    )
+
+
+def test_a_window_longer_than_the_history_counts_all_of_it():
+    history = list(range(40))  # more than half of the window: a negative slice start would drop the first
+    counts = token_counts([history], [64], 50)
+    assert counts[0, :40].tolist() == [1.0] * 40

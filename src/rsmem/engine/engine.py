@@ -44,6 +44,7 @@ from rsmem.engine.status import EngineSnapshot, EngineStats, Health
 from rsmem.engine.tokenizer import TextTokenizer
 from rsmem.engine.validation import RequestBuilder, RequestLimits
 from rsmem.errors import InvalidRequestError
+from rsmem.threads import one_thread_below
 
 Prompt = str | Sequence[int]
 
@@ -295,7 +296,10 @@ class Engine:
         ended."""
         touched: dict[str, Request] = {}
         if decoded:
-            self.output.process(decoded, self.ctx.logits, touched)
+            # one thread: the sampler's operations are small, and a parallel region waits for a partner
+            # thread that a busy machine may not schedule for a whole time slice
+            with one_thread_below(0, 1):
+                self.output.process(decoded, self.ctx.logits, touched)
         for req in self.lifecycle.take_ended():  # not a scan of every request: the queue may be long
             touched[req.request_id] = req
             self.requests.pop(req.request_id, None)

@@ -47,7 +47,7 @@ class OutputProcessor:
             by_request.setdefault(req.request_id, []).append(i)
         params = [req.params for req, _ in targets]
         histories = (
-            [req.prompt_tokens + c.tokens for req, c in targets]
+            [penalty_window(req.prompt_tokens, c.tokens, req.params.penalty_last_n) for req, c in targets]
             if any(p.has_penalties for p in params)
             else None
         )
@@ -102,6 +102,15 @@ class OutputProcessor:
 
 
 def _sampling_error(detail: str, bad_state: bool) -> str:
+def penalty_window(prompt: list[int], generated: list[int], n: int) -> list[int]:
+    """The last ``n`` tokens of prompt + generated (all of them for -1), without joining whole lists."""
+    if n < 0:
+        return prompt + generated
+    if n <= len(generated):
+        return generated[len(generated) - n :]
+    return prompt[max(0, len(prompt) - (n - len(generated))) :] + generated
+
+
     if bad_state:
         return "the model produced non-finite logits for this request (its state is not finite)"
     return f"its sampling parameters made the logits unusable: {detail}"

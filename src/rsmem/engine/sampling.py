@@ -23,6 +23,7 @@ banned, so a caller can score alternatives that truncation removed.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from rsmem.engine.sampling_params import (
     SamplingParams,
     make_generator,
 )
-from rsmem.engine.truncation import candidates
+from rsmem.engine.truncation import candidates, take_rows
 
 __all__ = [
     "GREEDY_BELOW",
@@ -118,12 +119,12 @@ class Sampler:
         tokens = [-1] * n_rows
         greedy = [i for i, p in enumerate(params) if p.is_greedy and errors[i] is None]
         if greedy:
-            for i, t in zip(greedy, _argmax(x[greedy]), strict=True):
+            for i, t in zip(greedy, _argmax(take_rows(x, greedy)), strict=True):
                 tokens[i] = t
         stochastic = [i for i, p in enumerate(params) if not p.is_greedy and errors[i] is None]
         if stochastic:
             uniforms = _draw_uniforms(stochastic, generators, x.device)
-            picked = _sample_stochastic(x[stochastic], [params[i] for i in stochastic], uniforms)
+            picked = _sample_stochastic(take_rows(x, stochastic), [params[i] for i in stochastic], uniforms)
             for i, t in zip(stochastic, picked, strict=True):
                 tokens[i] = t
         return SamplerOutput(tokens, _logprobs(x, params, tokens, errors), errors)
@@ -210,10 +211,42 @@ def _adjusted_logits(
     rows = [i for i, p in enumerate(params) if p.has_penalties]
     if rows:
         assert histories is not None  # _check_batch guarantees it
-        sub = [params[i] for i in rows]
-        counts = token_counts([histories[i] for i in rows], [p.penalty_last_n for p in sub], x.shape[1])
-        x[rows] = apply_penalties(x[rows], counts, sub)
+        penalize_seen(x, rows, [histories[i] for i in rows], [params[i] for i in rows])
     return x
+
+
+def penalize_seen(
+    x: torch.Tensor, rows: Sequence[int], histories: Sequence[History], params: Sequence[SamplingParams]
+) -> None:
+    """:func:`apply_penalties` on rows ``rows`` of ``x`` (in place), touching only the tokens each row's
+    window holds: one gather and one scatter for the batch instead of passes over the vocabulary. The
+    arithmetic is :func:`apply_penalties`' own, element by element, so the results are the same bits."""
+    n_vocab = x.shape[1]
+    at_rows: list[int] = []
+    at_cols: list[int] = []
+    counts: list[int] = []
+    rep: list[float] = []
+    presence: list[float] = []
+    frequency: list[float] = []
+    for r, history, p in zip(rows, histories, params, strict=True):
+        tokens = history.tolist() if isinstance(history, torch.Tensor) else history
+        window = p.penalty_last_n
+        seen = Counter(tokens if window < 0 else tokens[max(0, len(tokens) - window) :] if window else ())
+        if seen and (min(seen) < 0 or max(seen) >= n_vocab):
+            raise ValueError(f"history of row {r} has a token outside [0, {n_vocab})")
+        at_rows += [r] * len(seen)
+        at_cols += seen.keys()
+        counts += seen.values()
+        rep += [p.repetition_penalty] * len(seen)
+        presence += [p.presence_penalty] * len(seen)
+        frequency += [p.frequency_penalty] * len(seen)
+    if not at_rows:
+        return
+    index = (torch.tensor(at_rows), torch.tensor(at_cols))
+    v = x[index]
+    v = torch.where(v <= 0, v * v.new_tensor(rep), v / v.new_tensor(rep))
+    v = v - v.new_tensor(presence) - v.new_tensor(frequency) * v.new_tensor(counts)
+    x.index_put_(index, v)
 
 
 def _apply_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -243,7 +276,7 @@ def token_counts(histories: Sequence[History], windows: Sequence[int], n_vocab: 
     clipped: list[list[int]] = []
     for r, (history, window) in enumerate(zip(histories, windows, strict=True)):
         tokens = history.tolist() if isinstance(history, torch.Tensor) else list(history)
-        tokens = tokens if window < 0 else tokens[len(tokens) - window :] if window else []
+        tokens = tokens if window < 0 else tokens[max(0, len(tokens) - window) :] if window else []
         if tokens and (min(tokens) < 0 or max(tokens) >= n_vocab):
             raise ValueError(f"history of row {r} has a token outside [0, {n_vocab})")
         clipped.append(tokens)

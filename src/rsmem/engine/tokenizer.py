@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+import json
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
@@ -38,6 +40,8 @@ class TextTokenizer:
     tokenizer: Tokenizer
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    _pieces: list[bytes] | None = field(default=None, init=False, repr=False, compare=False)
+    _pieces_known: bool = field(default=False, init=False, repr=False, compare=False)
 
     def encode(self, text: str, name: str = "prompt") -> list[int]:
         """The tokens of ``text``; InvalidRequestError naming the field ``name`` when it is not Unicode
@@ -61,14 +65,64 @@ class TextTokenizer:
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
+    def byte_pieces(self) -> list[bytes] | None:
+        """Each token's bytes as :meth:`decode` joins them (special tokens: none), when decoding is the
+        concatenation of per-token bytes (a byte-level BPE: GPT-2's, NeoX's, Qwen's); else None. Made at
+        the first call."""
+        if not self._pieces_known:
+            self._pieces = _byte_level_pieces(self.tokenizer)
+            self._pieces_known = True
+        return self._pieces
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level BPE vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1)]
+    printable += range(ord("\u00ae"), ord("\u00ff") + 1)
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+def _byte_level_pieces(tokenizer: Tokenizer) -> list[bytes] | None:
+    """Per-token bytes of a byte-level BPE tokenizer whose decoder is ByteLevel alone; None for any other
+    (a SentencePiece decoder strips and replaces by position, so its text is not a concatenation)."""
+    if not isinstance(tokenizer, Tokenizer):  # e.g. RWKV's own tokenizer, which decodes whole bytes itself
+        return None
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    if decoder.get("type") != "ByteLevel":
+        return None
+    table = _gpt2_byte_decoder()
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    pieces: list[bytes] = []
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        token = tokenizer.id_to_token(i)
+        if token is None or i in special:
+            pieces.append(b"")
+        elif all(c in table for c in token):
+            pieces.append(bytes(table[c] for c in token))
+        else:  # an added token in plain text: its decoded text, when that is whole characters
+            text = tokenizer.decode([i], skip_special_tokens=True)
+            if "\ufffd" in text:
+                return None
+            pieces.append(text.encode("utf-8"))
+    return pieces
+
 
 @dataclass(slots=True)
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas without decoding the whole list each step.
 
-    Byte-level BPE can split a UTF-8 character over several tokens; while the decoded tail ends in the
-    replacement character the delta is held back until the character is complete. Decoding restarts
-    from ``prefix`` (a few tokens before the unread part) so every step costs O(new tokens).
+    Byte-level BPE can split a UTF-8 character over several tokens; an incomplete character is held back
+    until it is complete. With a byte-level tokenizer (:meth:`TextTokenizer.byte_pieces`) each token adds
+    its bytes to an incremental UTF-8 decoder (bytes that can never be valid become U+FFFD, as in
+    :meth:`TextTokenizer.decode`). Otherwise decoding restarts from ``prefix`` (a few tokens before the
+    unread part), and a delta whose decoded tail ends in the replacement character is held back, so every
+    step costs O(new tokens).
     """
 
     tokenizer: TextTokenizer
@@ -76,10 +130,21 @@ class IncrementalDetokenizer:
     text: str = ""
     _prefix: int = 0
     _read: int = 0
+    _pieces: list[bytes] | None = None
+    _utf8: codecs.IncrementalDecoder | None = None
+
+    def __post_init__(self) -> None:
+        self._pieces = self.tokenizer.byte_pieces()
+        if self._pieces is not None:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: int) -> str:
         """Add one token; returns the text it completes (possibly empty)."""
         self.tokens.append(token)
+        if self._utf8 is not None and self._pieces is not None:
+            delta = self._utf8.decode(self._pieces[token]) if 0 <= token < len(self._pieces) else ""
+            self.text += delta
+            return delta
         before = self.tokenizer.decode(self.tokens[self._prefix : self._read])
         after = self.tokenizer.decode(self.tokens[self._prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
@@ -91,6 +156,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back (a truncated character at the very end)."""
+        if self._utf8 is not None:
+            rest = self._utf8.decode(b"", final=True)
+            self.text += rest
+            return rest
         rest = self.tokenizer.decode(self.tokens[self._prefix :])[
             len(self.tokenizer.decode(self.tokens[self._prefix : self._read])) :
         ]

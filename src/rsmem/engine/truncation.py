@@ -26,6 +26,16 @@ class _Candidates:
     ids: torch.Tensor | None
 
 
+def take_rows(x: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """Rows ``rows`` of ``x``, for reading: ``x`` itself when they are all of its rows in order, a view
+    for one row, else a gathered copy (no advanced indexing, which can start a parallel region)."""
+    if len(rows) == x.shape[0] and all(r == k for k, r in enumerate(rows)):
+        return x
+    if len(rows) == 1:
+        return x[rows[0] : rows[0] + 1]
+    return x.index_select(0, torch.tensor(rows, dtype=torch.long, device=x.device))
+
+
 def _row_kind(p: SamplingParams, n_vocab: int) -> tuple[str, int]:
     """Which candidate path a row takes; it depends only on the row's own params (batch independence)."""
     if 0 < p.top_k < n_vocab:
@@ -42,7 +52,7 @@ def candidates(x: torch.Tensor, params: Sequence[SamplingParams]) -> list[_Candi
         groups.setdefault(_row_kind(p, x.shape[1]), []).append(r)
     out: list[_Candidates] = []
     for (kind, top_k), rows in groups.items():
-        sub, sub_params = x[rows], [params[r] for r in rows]
+        sub, sub_params = take_rows(x, rows), [params[r] for r in rows]
         if kind == "all":
             # No truncation: token-id order is already canonical, so skip sorting entirely.
             out.append(_Candidates(rows, apply_temperature(sub, sub_params), None))
@@ -75,18 +85,28 @@ def _nucleus_candidates(
     for width in PRUNE_WIDTHS:
         if width >= x.shape[1] or not pending:
             break
-        vals, ids = sorted_candidates(x[pending], width)
-        kept = _truncate(vals, log_norm[pending], [params[i] for i in pending])
+        vals, ids = sorted_candidates(take_rows(x, pending), width)
+        kept = _truncate(
+            vals, take_rows(log_norm.unsqueeze(1), pending).squeeze(1), [params[i] for i in pending]
+        )
         n_kept = torch.isfinite(kept).sum(dim=-1)
         last_kept = vals.gather(1, (n_kept - 1).unsqueeze(1)).squeeze(1)
         exact = ((n_kept < width) & (last_kept > vals[:, -1])).tolist()
         good = [j for j, ok in enumerate(exact) if ok]
         if good:
-            out.append(([pending[j] for j in good], kept[good], ids[good]))
+            out.append(([pending[j] for j in good], take_rows(kept, good), take_rows(ids, good)))
         pending = [pending[j] for j, ok in enumerate(exact) if not ok]
     if pending:
-        vals, ids = sorted_candidates(x[pending], 0)
-        out.append((pending, _truncate(vals, log_norm[pending], [params[i] for i in pending]), ids))
+        vals, ids = sorted_candidates(take_rows(x, pending), 0)
+        out.append(
+            (
+                pending,
+                _truncate(
+                    vals, take_rows(log_norm.unsqueeze(1), pending).squeeze(1), [params[i] for i in pending]
+                ),
+                ids,
+            )
+        )
     return out
 
 
