@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rsmem.engine import RequestOutput, SamplingParams
 from rsmem.errors import InvalidRequestError
-from rsmem.server.chat_output import ChatDeltas, ChatShape, chat_message
+from rsmem.server.chat_output import ChatDeltas, ChatShape, chat_message, special_markers
 from rsmem.server.errors import SERVER, ApiError, invalid_request
 from rsmem.server.params import Prompt, check_model, completion_prompts, sampling_params, slot_of
 from rsmem.server.reasoning import after_thinking, thinking_started
@@ -31,6 +31,7 @@ from rsmem.server.schemas import ChatRequest, CompletionRequest
 from rsmem.server.state import AppState, app_state
 from rsmem.server.streaming import collect, stream_events
 from rsmem.server.tool_grammar import tool_constraint
+from rsmem.server.tool_parser import MARKERS
 from rsmem.server.tools import template_messages, tool_request
 
 router = APIRouter()
@@ -137,7 +138,9 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     except Exception as exc:  # a model's own Jinja template may refuse a conversation
         raise ApiError(400, f"the chat template failed: {exc}", param="messages") from exc
     thinking = thinking_started(prompt, prefixes[-1] if prefixes else None) if template.thinks else None
-    shape = ChatShape(thinking, tools)
+    texts = MARKERS.get(tools.family, ()) if tools is not None else ()
+    markers = special_markers(state.tokenizer, texts) if not body.stop else {}
+    shape = ChatShape(thinking, tools, markers, state.tokenizer)
     max_tokens = body.max_completion_tokens or body.max_tokens or state.settings.chat_max_tokens
     forced = tools is not None and tools.forced  # the grammar ends the answer: no template stop
     params = chat_params(sampling_params(body, max_tokens, () if forced else template.stop), shape)
@@ -201,6 +204,7 @@ def chat_params(params: SamplingParams, shape: ChatShape) -> SamplingParams:
         message = f"tool_choice {shape.tools.choice!r} cannot be combined with another constraint"
         raise ApiError(400, message, param="tool_choice")
     try:
-        return dataclasses.replace(params, constraint=tool_constraint(shape.tools, shape.thinking))
+        constraint = tool_constraint(shape.tools, shape.thinking, shape.markers)
+        return dataclasses.replace(params, constraint=constraint)
     except InvalidRequestError as exc:  # a stop string: it could cut the call short
         raise invalid_request(exc) from exc

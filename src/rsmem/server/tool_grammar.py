@@ -9,6 +9,8 @@ and whose arguments validate against the schema.
 - ``generic``: ``{"tool_call": {"name": "f", "arguments": {...}}}`` or ``{"tool_calls": [...]}``.
 
 The arguments are compact JSON with ``", "`` and ``": "`` separators (as ``json.dumps`` writes them).
+A marker that is a special token of the model is that token in the grammar (``<[id]>``), as the model
+was trained to write it; otherwise its text.
 For a template that thinks, the grammar first lets the model think: free text up to the first
 ``</think>`` (from the answer's start when the prompt opened ``<think>``, else after an optional
 ``<think>``), then the newlines it writes; the calls follow.
@@ -17,41 +19,53 @@ For a template that thinks, the grammar first lets the model think: free text up
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from rsmem.engine.constraints import Constraint
 from rsmem.server.reasoning import thinking_first
+from rsmem.server.tool_parser import MARKERS
 from rsmem.server.tools import Family, ToolRequest
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
 
 
-def tool_grammar(tools: ToolRequest, thinking: bool | None) -> str:
-    """The Lark grammar of a forced call (see the module docstring)."""
+def tool_grammar(tools: ToolRequest, thinking: bool | None, special: Mapping[int, str] | None = None) -> str:
+    """The Lark grammar of a forced call (see the module docstring). A marker that is a special token
+    of the model (``special``: token id -> text) is that token, as the model writes it."""
+    ids = {text: token for token, text in (special or {}).items()}
+
+    def marker(text: str) -> str:
+        return f"<[{ids[text]}]>" if text in ids else _lit(text)
+
     names = [tools.name] if tools.name is not None else list(tools.functions)
     rules = [f"call: {' | '.join(f'call{i}' for i in range(len(names)))}"]
     for i, name in enumerate(names):
         head = _lit(f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ')
         rules.append(f'call{i}: {head} args{i} "}}"')
         rules.append(f"args{i}: %json {json.dumps(_styled(tools.functions[name]), ensure_ascii=False)}")
+    if tools.family in MARKERS:
+        start, end = (marker(m) for m in MARKERS[tools.family])
     if tools.family is Family.HERMES:
-        rules.append(r'block: "<tool_call>\n" call "\n</tool_call>"')
+        rules.append(f'block: {start} "\\n" call "\\n" {end}')
         calls = 'block ("\\n" block)*' if tools.parallel else "block"
     elif tools.family is Family.LFM2:
         items = 'call (", " call)*' if tools.parallel else "call"
-        calls = f'"<|tool_call_start|>[" {items} "]<|tool_call_end|>"'
+        calls = f'{start} "[" {items} "]" {end}'
     elif tools.parallel:
         calls = '"{\\"tool_calls\\": [" call (", " call)* "]}"'
     else:
         calls = '"{\\"tool_call\\": " call "}"'
-    start = f"start: {calls}\n" if thinking is None else thinking_first(thinking, calls)
-    return start + "\n".join(rules) + "\n"
+    head = f"start: {calls}\n" if thinking is None else thinking_first(thinking, calls)
+    return head + "\n".join(rules) + "\n"
 
 
-def tool_constraint(tools: ToolRequest, thinking: bool | None) -> Constraint:
+def tool_constraint(
+    tools: ToolRequest, thinking: bool | None, special: Mapping[int, str] | None = None
+) -> Constraint:
     """The constraint of a forced call; the engine refuses (400 naming ``tools``) a schema it cannot
     enforce when it compiles it."""
-    return Constraint.lark(tool_grammar(tools, thinking), field="tools")
+    return Constraint.lark(tool_grammar(tools, thinking, special), field="tools")
 
 
 def _styled(schema: dict[str, Any]) -> dict[str, Any]:
