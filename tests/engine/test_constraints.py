@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from test_engine import byte_tokenizer
 
 from helpers.rwkv_reference import random_rwkv7, world_vocab, write_rwkv_gguf
-from rsmem.engine import LLM, FinishReason, RequestOutput, SamplingParams
+from rsmem.context import Context
+from rsmem.engine import LLM, Engine, FinishReason, RequestOutput, SamplingParams
 from rsmem.engine.constraints import Constraint, ConstraintCompiler, mask_constrained
 from rsmem.engine.request import Completion, Request
 from rsmem.errors import InvalidRequestError
@@ -311,3 +312,60 @@ def test_logits_wider_than_the_tokenizer_never_allow_the_extra_ids() -> None:
     for c in llm.generate("abc", params)[0].outputs:
         assert all(t < 257 for t in c.token_ids)
         assert c.finish_reason is FinishReason.LENGTH or re.fullmatch("[a-c]{3,6}", c.text)
+
+
+def greedy_run(engine: Engine, prompt: str | list[int], params: SamplingParams, **kw: Any) -> RequestOutput:
+    rid = engine.add_request(prompt, params, **kw)
+    return next(out for out in engine.run_until_done() if out.request_id == rid and out.finished)
+
+
+def greedy_tokens(engine: Engine, prompt: str | list[int], params: SamplingParams, **kw: Any) -> list[int]:
+    return list(greedy_run(engine, prompt, params, **kw).outputs[0].token_ids)
+
+
+def test_forced_runs_go_in_one_chunk_and_change_nothing() -> None:
+    """Tokens the constraint forces are appended without sampling and fed with the next step's token:
+    fewer steps, the same greedy answers."""
+    entries = CORPUS[:16]
+    texts, steps = [], []
+    for forced in (True, False):
+        llm = LLM(n_seq_max=8)
+        if not forced:
+            llm.engine.builder.constraints.forced_run = 0
+        params = [
+            SamplingParams.greedy(max_tokens=48, constraint=Constraint.json_schema(e["schema"]))
+            for e in entries
+        ]
+        texts.append([out.text for out in llm.generate(["ROMEO:"] * len(entries), params)])
+        steps.append(llm.engine.stats.steps)
+    assert texts[0] == texts[1]
+    assert steps[0] < 0.8 * steps[1]
+
+
+@pytest.mark.parametrize("kept", ["session", "prompt_cache"])
+def test_a_forced_run_at_the_end_is_not_counted_in_the_state(kept: str) -> None:
+    """A constraint that ends inside a forced run leaves those tokens unfed: a session feeds them with
+    its next prompt, the prompt cache keys the state by what it folded. Both continue as a fresh run."""
+    constraint = Constraint.choice(["MERCUTIO and the Nurse, with TYBALT"])
+    follow = SamplingParams.greedy(max_tokens=12)
+    model = LLM().model
+    engine = Engine(Context(model, n_seq_max=2), LLM().tokenizer, prompt_cache=kept == "prompt_cache")
+    first = SamplingParams.greedy(max_tokens=40, constraint=constraint)
+    if kept == "session":
+        session = engine.open_session()
+        answer = greedy_tokens(engine, "ROMEO:", first, session=session)
+        assert len(answer) > 2 and session.pending == answer[-len(session.pending) :]
+        assert len(session.pending) > 1  # the forced run waits with the last token
+        then = greedy_tokens(engine, " Exeunt.", follow, session=session)
+    else:
+        answer = greedy_tokens(engine, "ROMEO:", first)
+        tok = engine.tokenizer
+        assert tok is not None
+        out = greedy_run(engine, tok.encode("ROMEO:") + answer + tok.encode(" Exeunt."), follow)
+        # one choice: every token after the first is forced, so the state folded the prompt alone
+        assert out.num_cached_tokens == len(tok.encode("ROMEO:"))
+        then = list(out.outputs[0].token_ids)
+    fresh = Engine(Context(model, n_seq_max=1), engine.tokenizer)
+    tok = fresh.tokenizer
+    assert tok is not None
+    assert then == greedy_tokens(fresh, tok.encode("ROMEO:") + answer + tok.encode(" Exeunt."), follow)

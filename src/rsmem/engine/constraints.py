@@ -144,11 +144,12 @@ class ConstraintError(RuntimeError):
 class Matcher:
     """One completion's position in its constraint."""
 
-    __slots__ = ("_m", "vocab_size")
+    __slots__ = ("_m", "forced_run", "vocab_size")
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, forced_run: int = 0) -> None:
         self._m = matcher
         self.vocab_size = vocab_size  # the width of its masks (llguidance's view of the vocabulary)
+        self.forced_run = forced_run  # the most forced tokens appended after a sampled one
 
     @property
     def llmatcher(self) -> llguidance.LLMatcher:
@@ -166,7 +167,7 @@ class Matcher:
         return self._m.compute_ff_tokens()
 
     def clone(self) -> Matcher:
-        return Matcher(self._m.deep_copy(), self.vocab_size)
+        return Matcher(self._m.deep_copy(), self.vocab_size, self.forced_run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,18 +177,20 @@ class CompiledConstraint:
     constraint: Constraint
     _start: llguidance.LLMatcher
     vocab_size: int
+    forced_run: int = 0
 
     def matcher(self) -> Matcher:
-        return Matcher(self._start.deep_copy(), self.vocab_size)
+        return Matcher(self._start.deep_copy(), self.vocab_size, self.forced_run)
 
 
 class ConstraintCompiler:
     """Compiles constraints against one tokenizer (``n_vocab``: the width of the model's logits rows);
     keeps the last few compiled, so a schema sent again is not compiled again."""
 
-    def __init__(self, tokenizer: TextTokenizer | None, n_vocab: int) -> None:
+    def __init__(self, tokenizer: TextTokenizer | None, n_vocab: int, forced_run: int = 0) -> None:
         self.tokenizer = tokenizer
         self.n_vocab = n_vocab
+        self.forced_run = forced_run
         self._lltok: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
@@ -202,7 +205,7 @@ class ConstraintCompiler:
             start = self._cache.get(key)
             if start is not None:
                 self._cache.move_to_end(key)
-                return CompiledConstraint(constraint, start, self._vocab())
+                return CompiledConstraint(constraint, start, self._vocab(), self.forced_run)
         tokenizer = self._ll_tokenizer(constraint.field)
         grammar = _grammar_text(constraint)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
@@ -215,7 +218,7 @@ class ConstraintCompiler:
             self._cache[key] = start
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return CompiledConstraint(constraint, start, self._vocab())
+        return CompiledConstraint(constraint, start, self._vocab(), self.forced_run)
 
     def _vocab(self) -> int:
         assert self._lltok is not None
@@ -292,6 +295,23 @@ def _grammar_text(c: Constraint) -> str:
         return llguidance.LLMatcher.grammar_from_lark(c.spec)
     except ValueError as exc:
         raise InvalidRequestError(c.field, f"does not parse: {exc}") from exc
+
+
+def append_forced(req: Request, c: Completion, append: Callable[..., None]) -> None:
+    """After ``c`` appended a sampled token: append the run of tokens its constraint allows as the only
+    continuation (``append(req, c, token, None)``, as a sampled token is appended, so EOS, completion and
+    ``max_tokens`` apply), without sampling them; ``c.unfed`` counts them, and the next step feeds them
+    to the model with the last one as one chunk. Not with log-probs (a forced token has none to report)."""
+    if c.matcher is None or c.finished or req.finished or req.params.logprobs is not None:
+        return
+    forced = c.matcher.forced_tokens()[: c.matcher.forced_run]
+    if req.params.max_tokens is not None:
+        forced = forced[: req.params.max_tokens - len(c.tokens)]
+    for token in forced:
+        c.unfed += 1
+        append(req, c, token, None)
+        if c.finished:
+            return
 
 
 # --------------------------------------------------------------------------------------------------

@@ -90,7 +90,12 @@ class Engine:
         self.prefill_cap = prefill_cap
         self.step_cost = StepCost()
         self.limits = RequestLimits(
-            context.n_vocab, context.n_seq_max, max_prompt_tokens, max_tokens_limit, context.max_seq_tokens
+            context.n_vocab,
+            context.n_seq_max,
+            max_prompt_tokens,
+            max_tokens_limit,
+            context.max_seq_tokens,
+            forced_run=self.max_batch_tokens // context.n_seq_max - 1,  # every sequence's run fits a step
         )
         memory = context.memory
         self.pool = SequencePool(
@@ -316,6 +321,8 @@ class Engine:
             if c is not None:
                 if not part.output:  # a replay chunk
                     del c.replay[: part.n_tokens]
+                else:  # the last token, with a forced run before it
+                    c.unfed = 0
                 continue
             start = req.n_prefilled
             req.n_prefilled += part.n_tokens

@@ -124,7 +124,7 @@ class Lifecycle:
             return
         folded: list[int] | None = None
         if cache and (c.index == 0 or req.phase is Phase.DECODE):
-            folded = req.prompt_tokens[: req.n_prefilled] + c.tokens[:-1]
+            folded = req.prompt_tokens[: req.n_prefilled] + c.tokens[: len(c.tokens) - 1 - c.unfed]
             if self.checkpoints is not None and c.index == 0 and folded and req.session is None:
                 self.checkpoints.take(folded, c.seq_id, "end")
         # else: a failure, or a fork whose prompt never finished (nothing in its sequence)
@@ -145,8 +145,9 @@ class Lifecycle:
         assert session is not None
         c = req.completions[0]
         if req.phase is Phase.DECODE:
-            session.tokens += req.prompt_tokens + c.tokens[:-1]
-            session.pending = c.tokens[-1:]
+            fed = len(c.tokens) - 1 - c.unfed  # a constraint's forced run may be waiting with the last
+            session.tokens += req.prompt_tokens + c.tokens[:fed]
+            session.pending = c.tokens[fed:]
         else:  # aborted during prefill: only the processed part of the prompt is in the state
             session.tokens += req.prompt_tokens[: req.n_prefilled]
             session.pending = req.prompt_tokens[req.n_prefilled :]

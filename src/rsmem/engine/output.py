@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rsmem.engine.constraints import mask_constrained
+from rsmem.engine.constraints import append_forced, mask_constrained
 from rsmem.engine.lifecycle import Lifecycle
 from rsmem.engine.reports import cut_at_stop
 from rsmem.engine.request import Completion, ErrorKind, FinishReason, Request
@@ -73,6 +73,7 @@ class OutputProcessor:
             try:
                 for i in idx:
                     self._append(req, targets[i][1], out.tokens[i], out.logprobs[i])
+                    append_forced(req, targets[i][1], self._append)  # a constraint's forced run
             except Exception as exc:
                 fail(req, ErrorKind.REQUEST, f"post-processing failed: {exc}")
                 continue
@@ -101,7 +102,6 @@ class OutputProcessor:
             finish(req, c, FinishReason.LENGTH)
 
 
-def _sampling_error(detail: str, bad_state: bool) -> str:
 def penalty_window(prompt: list[int], generated: list[int], n: int) -> list[int]:
     """The last ``n`` tokens of prompt + generated (all of them for -1), without joining whole lists."""
     if n < 0:
@@ -111,6 +111,7 @@ def penalty_window(prompt: list[int], generated: list[int], n: int) -> list[int]
     return prompt[max(0, len(prompt) - (n - len(generated))) :] + generated
 
 
+def _sampling_error(detail: str, bad_state: bool) -> str:
     if bad_state:
         return "the model produced non-finite logits for this request (its state is not finite)"
     return f"its sampling parameters made the logits unusable: {detail}"

@@ -51,6 +51,7 @@ class Completion:
     reported_chars: int = 0  # text already sent in reports
     reported_tokens: int = 0
     matcher: Matcher | None = None  # the request's constraint, at this completion's position in it
+    unfed: int = 0  # tokens before tokens[-1] not yet in the state (a constraint's forced run)
 
     @property
     def finished(self) -> bool:

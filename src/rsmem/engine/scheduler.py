@@ -96,13 +96,13 @@ def plan_step(
     if suspect is not None:
         running = [suspect]
     plan = [
-        Planned(req, c, 1, True)
+        Planned(req, c, 1 + c.unfed, True)  # with the tokens a constraint forced after it
         for req in running
         if req.phase is Phase.DECODE
         for c in req.completions
         if not c.finished and not c.replay
     ]
-    budget -= len(plan)
+    budget -= sum(p.n_tokens for p in plan)
     prompts: list[Request] = []
     for req in running:
         if budget <= 0:
@@ -222,6 +222,9 @@ def build_batch(plan: list[Planned]) -> Batch:
         elif c.replay:
             tokens.extend(c.replay[: part.n_tokens])
             seq = c.seq_id
+        elif c.unfed:
+            tokens.extend(c.tokens[-1 - c.unfed :])
+            seq = c.seq_id
         else:
             tokens.append(c.tokens[-1])
             seq = c.seq_id
@@ -240,3 +243,4 @@ def plan_replay(req: Request) -> None:
     for c in req.completions:
         if not c.finished:
             c.replay = base + req.prompt_tokens + c.tokens[:-1]
+            c.unfed = 0

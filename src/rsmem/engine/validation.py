@@ -28,6 +28,7 @@ class RequestLimits:
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
     max_context: int | None = None  # positions one sequence holds (a hybrid's KV cells per sequence)
+    forced_run: int = 0  # the most tokens a constraint may force after a sampled one (fed in its step)
 
 
 def check_params(params: SamplingParams, limits: RequestLimits) -> None:
@@ -125,7 +126,7 @@ class RequestBuilder:
     def __init__(self, limits: RequestLimits, tokenizer: TextTokenizer | None) -> None:
         self.limits = limits
         self.tokenizer = tokenizer
-        self.constraints = ConstraintCompiler(tokenizer, limits.n_vocab)
+        self.constraints = ConstraintCompiler(tokenizer, limits.n_vocab, limits.forced_run)
         self._ids = itertools.count()
 
     def build(
