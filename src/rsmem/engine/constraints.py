@@ -14,6 +14,9 @@ Rules:
   the constraint is satisfied. After a token is appended, :meth:`Matcher.advance` consumes it; when
   nothing but end-of-sequence may follow, the completion finishes with ``stop``. ``max_tokens`` still
   cuts it (``length``): the text is then a prefix of a valid output.
+- Where the constraint allows a single continuation (a schema's keys and punctuation), those tokens are
+  appended without sampling (:func:`append_forced`) and fed to the model with the completion's next
+  token as one chunk: a recurrent state takes the run in one step.
 - A matcher that errors (a token it refuses, no token allowed) fails its request alone.
 
 JSON is generated compact (``,`` and ``:`` separators, no other whitespace outside strings) unless the
