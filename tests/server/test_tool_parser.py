@@ -16,7 +16,7 @@ from rsmem.server.tools import Family
 
 def parse(family: Family, text: str, cuts: list[int] | None = None, parallel: bool = True):
     """(content or None, calls) of ``text`` pushed in pieces cut at ``cuts`` (whole when None)."""
-    p = CallParser(family, parallel)
+    p = CallParser(family, parallel, {"weather": WEATHER})
     bounds = [0, *sorted(set(cuts or [])), len(text)]
     events = []
     for a, b in itertools.pairwise(bounds):
@@ -40,7 +40,12 @@ LFM2 = (
     "<|tool_call_end|>Checking."
 )
 GENERIC = ' {"tool_calls": [{"name": "weather", "arguments": {"city": "Paris", "days": 2}}]}'
-CASES = [(Family.HERMES, HERMES), (Family.LFM2, LFM2), (Family.GENERIC, GENERIC)]
+QWEN_XML = (
+    "Looking.\n<tool_call>\n<function=weather>\n<parameter=city>\nNew\nYork\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n</function>\n</tool_call>"
+)
+WEATHER = {"properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+CASES = [(Family.HERMES, HERMES), (Family.LFM2, LFM2), (Family.GENERIC, GENERIC), (Family.QWEN_XML, QWEN_XML)]
 
 
 def test_hermes_calls_and_content():
@@ -60,6 +65,15 @@ def test_lfm2_json_calls():
     assert parse(Family.LFM2, text) == (None, [call("f", a=[1, None])])
 
 
+def test_qwen_xml_calls_read_values_by_their_schema():
+    content, calls = parse(Family.QWEN_XML, QWEN_XML)
+    assert content == "Looking.\n"
+    assert calls == [call("weather", city="New\nYork", days=2, metric=True)]
+    params = "<parameter=a>\n[1, {}]\n</parameter>\n<parameter=b>\nnot json\n</parameter>\n"
+    text = f"<tool_call>\n<function=f>\n{params}</function>\n</tool_call>"
+    assert parse(Family.QWEN_XML, text) == (None, [call("f", a=[1, {}], b="not json")])
+
+
 def test_generic_call_and_response():
     assert parse(Family.GENERIC, GENERIC) == (None, [call("weather", city="Paris", days=2)])
     one = '{"tool_call": {"name": "f", "arguments": {}}}'
@@ -76,6 +90,9 @@ def test_generic_call_and_response():
         (Family.HERMES, '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'),
         (Family.HERMES, '<tool_call>{"name": "f", "arguments": {}, "x": 1}</tool_call>'),
         (Family.HERMES, '<tool_call>{"name": "f", "arguments": {}}'),  # never closed
+        (Family.QWEN_XML, "<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>"),
+        (Family.QWEN_XML, "<tool_call>\n<function=f>\nstray\n</function>\n</tool_call>"),
+        (Family.QWEN_XML, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'),
         (Family.LFM2, "<|tool_call_start|>[f(1, 2)]<|tool_call_end|>"),  # positional arguments
         (Family.LFM2, "<|tool_call_start|>[f(a=g())]<|tool_call_end|>"),  # not a literal
         (Family.LFM2, "<|tool_call_start|>[f(a=1]<|tool_call_end|>"),

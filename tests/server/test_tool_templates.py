@@ -96,6 +96,30 @@ def transformers_prompt(
     )[0][0]
 
 
+# Qwen3.5's call rendering (its XML form), cut down
+QWEN_XML = """{%- for message in messages %}<|im_start|>{{ message.role }}
+{{ message.content }}
+{%- for tool_call in message.tool_calls or [] %}{% set tool_call = tool_call.function %}
+<tool_call>
+<function={{ tool_call.name }}>
+{% for args_name, args_value in tool_call.arguments|items %}<parameter={{ args_name }}>
+{{ args_value | tojson if args_value is mapping else args_value | string }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}<|im_end|>
+{% endfor %}{% if tools %}<tools>{{ tools | length }}</tools>{% endif %}"""
+
+
+def test_qwen_xml_template_gets_arguments_as_a_mapping():
+    template = ChatTemplate(QWEN_XML)
+    assert family_of(template) is Family.QWEN_XML
+    messages, tools = prepared(template)
+    assert tools == [TOOL]
+    prompt = template.render(messages, tools=tools)
+    assert prompt == transformers_prompt(QWEN_XML, messages, tools)
+    assert "<function=weather>\n<parameter=city>\nOslo\n</parameter>\n</function>" in prompt
+
+
 def test_families():
     assert family_of(ChatTemplate(QWEN)) is Family.HERMES
     assert family_of(ChatTemplate(LFM2)) is Family.LFM2

@@ -87,7 +87,28 @@ List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|><|im_end|
 {% endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
-TEMPLATES = {"hermes": HERMES, "lfm2": LFM2}
+# Qwen3.5's tool part, cut down: calls as <tool_call><function=...><parameter=...> XML
+QWEN_XML = """{%- if tools %}<|im_start|>system
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+Call: <tool_call>\n<function=f>\n<parameter=k>\nv\n</parameter>\n</function>\n</tool_call><|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}
+{%- for tc in m.tool_calls or [] %}
+<tool_call>
+<function={{ tc.function.name }}>
+{% for k, v in tc.function.arguments | items %}<parameter={{ k }}>
+{{ v if v is string else v | tojson }}
+</parameter>
+{% endfor %}</function>
+</tool_call>
+{%- endfor %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+TEMPLATES = {"hermes": HERMES, "lfm2": LFM2, "qwen_xml": QWEN_XML}
 
 
 @contextmanager
@@ -149,6 +170,10 @@ def calls_of(message: dict[str, Any]) -> list[tuple[str, str]]:
     return [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()]
 
 
+def streamed_calls(got: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(c["name"], c["arguments"]) for c in got["tool_calls"].values()]
+
+
 def check_calls(message: dict[str, Any], names: set[str]) -> None:
     calls = message["tool_calls"]
     assert calls, message
@@ -176,9 +201,7 @@ def required_calls_validate_and_stream_the_same(server: LiveServer) -> None:
     for choice in choices:
         got = streamed[choice["index"]]
         assert got["finish_reason"] == "tool_calls"
-        assert [(c["name"], c["arguments"]) for c in got["tool_calls"].values()] == calls_of(
-            choice["message"]
-        )
+        assert streamed_calls(got) == calls_of(choice["message"])
         assert got["content"] == choice["message"]["content"]
 
 
@@ -196,7 +219,7 @@ def test_parallel_calls_validate_unless_cut_by_max_tokens(hermes: LiveServer) ->
         if choice["message"].get("tool_calls"):
             check_calls(choice["message"], {"weather", "time"})
     got = reassembled(stream(hermes, tool_choice="required", seed=11))[0]
-    assert [(c["name"], c["arguments"]) for c in got["tool_calls"].values()] == calls_of(choice["message"])
+    assert streamed_calls(got) == calls_of(choice["message"])
     assert got["content"] == choice["message"]["content"]
 
 
@@ -219,9 +242,7 @@ def test_auto_streams_what_the_json_answer_says(hermes: LiveServer) -> None:
         choice = r.json()["choices"][0]
         got = reassembled(stream(hermes, temperature=1.0, seed=seed, max_tokens=40))[0]
         assert got["content"] == choice["message"]["content"]
-        assert [(c["name"], c["arguments"]) for c in got["tool_calls"].values()] == calls_of(
-            choice["message"]
-        )
+        assert streamed_calls(got) == calls_of(choice["message"])
         assert got["finish_reason"] == choice["finish_reason"]
 
 
@@ -279,3 +300,21 @@ def test_a_schema_the_engine_cannot_enforce_is_refused(live: LiveServer) -> None
     r = chat(live, tools=tools, tool_choice="required")
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "tools"
+
+
+def test_qwen_xml_calls_validate_and_stream_the_same(live: LiveServer) -> None:
+    """Qwen's XML form: enum and JSON-typed parameters under the grammar; a string ``pattern`` it
+    cannot enforce in that form is refused."""
+    with serving(live, "qwen_xml") as server:
+        body = {"tools": TOOLS[:1], "tool_choice": "required", "parallel_tool_calls": False, "n": 2}
+        r = chat(server, **body)
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            assert choice["finish_reason"] == "tool_calls"
+            check_calls(choice["message"], {"weather"})
+        streamed = reassembled(stream(server, **body))
+        for choice in r.json()["choices"]:
+            assert streamed_calls(streamed[choice["index"]]) == calls_of(choice["message"])
+        refused = chat(server, tool_choice="required")
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools", refused.text
+        assert "pattern" in refused.json()["error"]["message"]

@@ -86,7 +86,7 @@ class ChoiceText:
     def __init__(self, shape: ChatShape) -> None:
         self.splitter = ReasoningSplitter(shape.thinking) if shape.thinking is not None else None
         tools = shape.tools
-        self.calls = CallParser(tools.family, tools.parallel) if tools is not None else None
+        self.calls = CallParser(tools.family, tools.parallel, tools.functions) if tools is not None else None
 
     def push(self, text: str) -> list[Event]:
         return self._route(self.splitter.push(text) if self.splitter else [("content", text)])

@@ -5,9 +5,10 @@ One parser serves both answers: a JSON answer pushes the whole text and finishes
 delta; the parser's output does not depend on where the text was cut, so the streamed deltas
 reassemble to the JSON answer. Rules:
 
-- ``hermes`` / ``lfm2``: text outside the family's markers is content. Text that may be the start of a
-  marker is held back until it is known. A block between the markers is a call (Hermes: one JSON object
-  with ``name`` and ``arguments``; LFM2: a list of ``name(key=value, ...)`` Python calls, or of Hermes'
+- ``hermes`` / ``qwen_xml`` / ``lfm2``: text outside the family's markers is content. Text that may be
+  the start of a marker is held back until it is known. A block between the markers is a call
+  (Hermes: one JSON object with ``name`` and ``arguments``; Qwen's XML: ``<function=name>`` and its
+  ``<parameter=key>`` values; LFM2: a list of ``name(key=value, ...)`` Python calls, or of Hermes'
   JSON objects) when it parses; otherwise its text, markers included, stays content, as does a block
   the text ends inside. Without ``parallel_tool_calls`` the first call ends the parsing: a block of
   several calls is content, and so is everything after the first call.
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import ast
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,7 @@ from rsmem.server.tools import Family
 
 MARKERS = {
     Family.HERMES: ("<tool_call>", "</tool_call>"),
+    Family.QWEN_XML: ("<tool_call>", "</tool_call>"),
     Family.LFM2: ("<|tool_call_start|>", "<|tool_call_end|>"),
 }
 
@@ -39,6 +43,7 @@ class ParsedCall:
     arguments: str  # a JSON object, as OpenAI's ``function.arguments``
 
 
+Json = dict[str, Any]
 Event = tuple[str, "str | ParsedCall"]  # ("content", text) or ("call", ParsedCall)
 
 
@@ -53,9 +58,12 @@ def held_prefix(text: str, marker: str) -> int:
 class CallParser:
     """Content and calls of one choice's text; ``push`` each piece, then ``finish`` once."""
 
-    def __init__(self, family: Family, parallel: bool = True) -> None:
+    def __init__(
+        self, family: Family, parallel: bool = True, functions: Mapping[str, Json] | None = None
+    ) -> None:
         self.family = family
         self.parallel = parallel
+        self.functions = functions or {}  # name -> parameters schema (qwen_xml reads values by type)
         self.buf = ""
         self.in_call = False
         self.calls = 0
@@ -107,7 +115,7 @@ class CallParser:
             if j < 0:
                 return
             body, self.buf, self.in_call = self.buf[:j], self.buf[j + len(end) :], False
-            calls = parse_block(self.family, body)
+            calls = parse_block(self.family, body, self.functions)
             if calls is None or (not self.parallel and len(calls) > 1):
                 self._content(out, start + body + end)
                 continue
@@ -155,9 +163,14 @@ class CallParser:
         out.append(("content", text))
 
 
-def parse_block(family: Family, body: str) -> list[ParsedCall] | None:
+def parse_block(
+    family: Family, body: str, functions: Mapping[str, Json] | None = None
+) -> list[ParsedCall] | None:
     """The calls of the text between a family's markers; None when it is not one."""
     text = body.strip()
+    if family is Family.QWEN_XML:
+        call = _xml_call(text, functions or {})
+        return None if call is None else [call]
     if family is Family.HERMES:
         call = _json_call(_loads(text))
         return None if call is None else [call]
@@ -199,6 +212,38 @@ def _json_call(value: Any) -> ParsedCall | None:
     if not isinstance(args, dict):
         return None
     return ParsedCall(value["name"], json.dumps(args, ensure_ascii=False))
+
+
+_XML_CALL = re.compile(r"<function=([^>\n]+)>\n?(.*)</function>", re.DOTALL)
+_XML_PARAM = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _xml_call(text: str, functions: Mapping[str, Json]) -> ParsedCall | None:
+    """Qwen's ``<function=name>`` with ``<parameter=key>`` values: a value whose schema is a string is
+    taken as written (one newline each side dropped), any other is read as JSON (Python's ``True``,
+    ``False`` and ``None`` too), or as text when it is not JSON (as vLLM's qwen3_coder parser does)."""
+    match = _XML_CALL.fullmatch(text)
+    if match is None:
+        return None
+    name, rest = match.group(1).strip(), match.group(2)
+    properties = functions.get(name, {}).get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    args: Json = {}
+    pos = 0
+    while (param := _XML_PARAM.match(rest, pos)) is not None:
+        key, value = param.group(1).strip(), param.group(2)
+        schema = properties.get(key)
+        if isinstance(schema, dict) and schema.get("type") == "string":
+            args[key] = value
+        elif value.strip() in _NAMES:
+            args[key] = _NAMES[value.strip()]
+        else:
+            parsed = _loads(value)
+            args[key] = value if parsed is None and value.strip() != "null" else parsed
+        pos = param.end()
+    if rest[pos:].strip():
+        return None
+    return ParsedCall(name, json.dumps(args, ensure_ascii=False))
 
 
 def _python_calls(text: str) -> list[ParsedCall] | None:

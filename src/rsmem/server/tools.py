@@ -5,6 +5,9 @@ Families (the syntax the model writes its calls in, chosen from the template's s
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen 2.5 / 3, Hermes):
   a template that names ``<tool_call>``.
+- ``qwen_xml``: ``<tool_call>\n<function=name>\n<parameter=a>\nvalue\n</parameter>\n</function>``
+  ``\n</tool_call>`` (Qwen3.5, Qwen3-Coder): a template that names ``<tool_call>``, ``<function=`` and
+  ``<parameter=``.
 - ``lfm2``: ``<|tool_call_start|>[name(a=1, b="x"), ...]<|tool_call_end|>`` (Liquid's LFM2): a
   template that names ``<|tool_call_start|>`` or ``List of tools:``.
 - ``generic``: a template that names no tools (or the plain template), or one whose call syntax is none
@@ -40,6 +43,7 @@ PYTHON_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 class Family(enum.Enum):
     HERMES = "hermes"
+    QWEN_XML = "qwen_xml"
     LFM2 = "lfm2"
     GENERIC = "generic"
 
@@ -50,7 +54,9 @@ def family_of(template: ChatTemplate) -> Family:
         return Family.GENERIC
     if "<|tool_call_start|>" in source or "List of tools:" in source:
         return Family.LFM2
-    if "<tool_call>" in source and "<function=" not in source:
+    if "<tool_call>" in source and "<function=" in source and "<parameter=" in source:
+        return Family.QWEN_XML
+    if "<tool_call>" in source:
         return Family.HERMES
     return Family.GENERIC
 
@@ -198,6 +204,13 @@ def write_calls(family: Family, calls: list[Json]) -> str:
             for f in fns
         )
         return f"<|tool_call_start|>[{items}]<|tool_call_end|>"
+    if family is Family.QWEN_XML:
+        return "".join(
+            f"<tool_call>\n<function={f['name']}>\n"
+            + "".join(f"<parameter={k}>\n{_xml_value(v)}\n</parameter>\n" for k, v in f["arguments"].items())
+            + "</function>\n</tool_call>"
+            for f in fns
+        )
     if family is Family.HERMES:
         return "".join(
             f"<tool_call>\n{json.dumps({'name': f['name'], 'arguments': f['arguments']}, ensure_ascii=False)}"
@@ -205,6 +218,11 @@ def write_calls(family: Family, calls: list[Json]) -> str:
             for f in fns
         )
     raise ValueError(f"no call syntax for {family}")
+
+
+def _xml_value(value: object) -> str:
+    """A value as Qwen's templates write a parameter: a string as it is, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def _python_value(value: object) -> str:
