@@ -300,12 +300,17 @@ def _grammar_text(c: Constraint) -> str:
         raise InvalidRequestError(c.field, f"does not parse: {exc}") from exc
 
 
-def append_forced(req: Request, c: Completion, append: Callable[..., None]) -> None:
+def append_forced(req: Request, c: Completion, append: Callable[..., None], *, alone: bool) -> None:
     """After ``c`` appended a sampled token: append the run of tokens its constraint allows as the only
     continuation (``append(req, c, token, None)``, as a sampled token is appended, so EOS, completion and
     ``max_tokens`` apply), without sampling them; ``c.unfed`` counts them, and the next step feeds them
-    to the model with the last one as one chunk. Not with log-probs (a forced token has none to report)."""
-    if c.matcher is None or c.finished or req.finished or req.params.logprobs is not None:
+    to the model with the last one as one chunk.
+
+    Only for a completion that decoded ``alone`` in its step: in a batch, a run longer than its
+    neighbours' single tokens splits the step into as many micro-batches as the run is long (a recurrent
+    memory takes equal numbers of tokens from each sequence), which costs what the steps it saves would.
+    Not with log-probs (a forced token has none to report)."""
+    if not alone or c.matcher is None or c.finished or req.finished or req.params.logprobs is not None:
         return
     forced = c.matcher.forced_tokens()[: c.matcher.forced_run]
     if req.params.max_tokens is not None:

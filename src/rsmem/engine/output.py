@@ -73,7 +73,7 @@ class OutputProcessor:
             try:
                 for i in idx:
                     self._append(req, targets[i][1], out.tokens[i], out.logprobs[i])
-                    append_forced(req, targets[i][1], self._append)  # a constraint's forced run
+                    append_forced(req, targets[i][1], self._append, alone=len(targets) == 1)
             except Exception as exc:
                 fail(req, ErrorKind.REQUEST, f"post-processing failed: {exc}")
                 continue
