@@ -17,14 +17,14 @@ Safety: a compiled function is first run with zero stand-ins for the arguments i
 passed as they are), never on the memory's rows, so a machine where compiling fails (no compiler, an
 inductor bug) falls back to the eager path with a
 warning before any state was touched. Each variant (one sequence; several sequences, with a dynamic batch
-size so that continuous batching does not recompile) is compiled once per model shape; creating one raises
-torch's per-function recompile limit to ``RECOMPILE_LIMIT`` (a process-wide dynamo setting).
+size so that continuous batching does not recompile) is compiled once per model shape; the first call of
+one raises torch's per-function recompile limit to ``RECOMPILE_LIMIT`` (a process-wide dynamo setting).
 
 The GIL: inductor calls its C++ kernels through Python bindings that keep the GIL for the whole kernel
 (torch 2.13's ``CppPythonBindingsCodeCache``), so while a compiled step runs no other Python thread can
-(``rsmem serve``'s event loop waits for every step). Creating a ``CompiledStep`` makes the bindings release
-the GIL around each kernel once its arguments are read (:func:`release_gil_in_kernels`, process-wide: the
-kernels are plain C++ loops over raw pointers and call nothing in Python).
+(``rsmem serve``'s event loop waits for every step). A ``CompiledStep``'s first call makes the bindings
+release the GIL around each kernel once its arguments are read (:func:`release_gil_in_kernels`,
+process-wide: the kernels are plain C++ loops over raw pointers and call nothing in Python).
 """
 
 from __future__ import annotations
@@ -121,14 +121,9 @@ class CompiledStep(Generic[R]):
         """``options``: inductor options beside :data:`INDUCTOR_OPTIONS` (e.g. ``cpp.min_chunk_size``)."""
         self.fn = fn
         self.batch_args = batch_args
-        release_gil_in_kernels()
         self._mutated = mutated if callable(mutated) else mutated.__contains__
         self.options = {**INDUCTOR_OPTIONS, **(options or {})}  # what inductor compiles with
-        self._compiled = torch.compile(
-            fn, fullgraph=True, dynamic=None if batch_args else False, options=self.options
-        )
-        if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
-            torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+        self._compiled: Callable[..., R] | None = None  # made at the first call (see _compiled_fn)
         self.failed: BaseException | None = None
         self._checked = False
         self._dynamic = False  # compiled once with the batch dimension marked dynamic
@@ -155,12 +150,25 @@ class CompiledStep(Generic[R]):
                 )
         return self.failed is None
 
+    def _compiled_fn(self) -> Callable[..., R]:
+        """``torch.compile`` of the function, made at the first call: dynamo and inductor are imported
+        then, so a process whose steps never reach a compiled function (the C++ step takes its decode)
+        never holds their modules."""
+        if self._compiled is None:
+            release_gil_in_kernels()
+            dynamic = None if self.batch_args else False
+            self._compiled = torch.compile(self.fn, fullgraph=True, dynamic=dynamic, options=self.options)
+            if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+                torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+        return self._compiled
+
     def _call(self, args: tuple[Any, ...]) -> R:
+        compiled = self._compiled_fn()
         if not self._dynamic:  # once compiled with a symbolic batch size, every later size matches it
             for i in self.batch_args:
                 torch._dynamo.mark_dynamic(args[i], 0)
         with unraised_threads():  # dynamo guards on the thread count: a raised one would compile again
-            out = self._compiled(*args)
+            out = compiled(*args)
         self._dynamic = bool(self.batch_args)
         return out
 
