@@ -23,6 +23,7 @@ from rsmem.engine import LLM, Engine, FinishReason, RequestOutput, SamplingParam
 from rsmem.engine.constraints import Constraint, ConstraintCompiler, mask_constrained
 from rsmem.engine.request import Completion, Request
 from rsmem.errors import InvalidRequestError
+from rsmem.loaders import load_model
 from rsmem.loaders.rwkv.build import rwkv7_from_blink
 from rsmem.models import DecayedSumModel
 
@@ -378,3 +379,25 @@ def test_a_forced_run_at_the_end_is_not_counted_in_the_state(kept: str) -> None:
     tok = fresh.tokenizer
     assert tok is not None
     assert then == greedy_tokens(fresh, tok.encode("ROMEO:") + answer + tok.encode(" Exeunt."), follow)
+
+
+@pytest.mark.parametrize("name", ["lfm2", "nemotron_h", "qwen35"])
+def test_forced_runs_through_a_hybrid_memory(name: str) -> None:
+    """A hybrid's attention layers take a forced run as a chunk too (split into micro-batches of 16):
+    the same greedy answers as one token a step."""
+    model = load_model(Path(__file__).parents[1] / "fixtures" / "llamacpp" / name / "model-f32.gguf")
+    schema = {"type": "object", "properties": {"abc": {"enum": ["x", "yy"]}}, "required": ["abc"]}
+    constraints = [Constraint.json_schema(schema), Constraint.choice(["a long forced answer, spelled out"])]
+    answers = []
+    for forced in (True, False):
+        engine = Engine(Context(model, n_seq_max=2, n_batch=64, n_ubatch=16, n_ctx=1024), byte_tokenizer())
+        if not forced:
+            engine.builder.constraints.forced_run = 0
+        answers.append(
+            [
+                greedy_tokens(engine, "ab", SamplingParams.greedy(max_tokens=40, constraint=c))
+                for c in constraints
+            ]
+        )
+    assert answers[0] == answers[1]
+    assert bytes(answers[0][1]).decode() == "a long forced answer, spelled out"
