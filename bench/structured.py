@@ -62,8 +62,7 @@ class MaskTimer:
 def run(llm: LLM, params: list[SamplingParams], forced: bool) -> tuple[float, int, list[Any], MaskTimer]:
     builder = llm.engine.builder.constraints
     saved = builder.forced_run
-    builder.forced_run = saved if forced else 0
-    builder._cache.clear()  # the cached matchers carry the forced-run limit
+    builder.forced_run = saved if forced else 0  # read by every compile, cached or not
     timer = MaskTimer()
     constraints.allowed_tokens = timer  # type: ignore[assignment]
     steps = llm.engine.stats.steps
@@ -74,7 +73,6 @@ def run(llm: LLM, params: list[SamplingParams], forced: bool) -> tuple[float, in
     finally:
         constraints.allowed_tokens = timer._inner
         builder.forced_run = saved
-        builder._cache.clear()
     return elapsed, llm.engine.stats.steps - steps, outs, timer
 
 
