@@ -12,12 +12,14 @@ The models: random 130M Mamba and Mamba-2 built by transformers with ``bench/thr
 by rsmem's own quantizer (``rsmem.loaders.quantize``). Files are kept in ``--cache`` between runs.
 
 Run: .venv/bin/python bench/resident.py [--models mamba-f32,mamba2-f32,...] [--rounds 3]
+[--env RSMEM_PACKED_TWINS=0]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -92,9 +94,15 @@ def build(name: str, cache: Path) -> Path:
     return Path(rsmem.convert(folder, path, "f32"))
 
 
-def measure(path: Path) -> dict[str, dict[str, int]]:
-    """One fresh process's stages (kB)."""
-    out = subprocess.run([sys.executable, "-c", CHILD, str(path)], check=True, capture_output=True, text=True)
+def measure(path: Path, env: dict[str, str]) -> dict[str, dict[str, int]]:
+    """One fresh process's stages (kB), ``env`` added to its environment."""
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+    )
     stages: dict[str, dict[str, int]] = json.loads(out.stdout.strip().splitlines()[-1])
     return stages
 
@@ -112,7 +120,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/rsmem-resident"))
     parser.add_argument("--json", type=Path, help="also write the raw measurements here")
+    parser.add_argument(
+        "--env", action="append", default=[], help="KEY=VALUE for the measured processes (repeatable)"
+    )
     args = parser.parse_args()
+    env = dict(item.split("=", 1) for item in args.env)
     args.cache.mkdir(parents=True, exist_ok=True)
     raw: dict[str, list[dict[str, dict[str, int]]]] = {}
     print("| model (file) | after import | load adds | anon | file | + 8 tokens adds | anon | file | ratio |")
@@ -120,7 +132,7 @@ def main() -> None:
     for name in args.models.split(","):
         path = build(name, args.cache)
         size = path.stat().st_size / 1e6
-        runs = raw[name] = [measure(path) for _ in range(args.rounds)]
+        runs = raw[name] = [measure(path, env) for _ in range(args.rounds)]
 
         def added(stage: str, key: str, runs=runs) -> list[float]:
             return [(r[stage][key] - r["import"][key]) * 1024 / 1e6 for r in runs]

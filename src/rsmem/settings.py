@@ -7,6 +7,8 @@ variable                  default  effect
 ``RSMEM_COMPILE``         auto     compiled decode steps: ``auto``, ``1`` or ``0`` (a model's own
                                    ``compile=`` setting wins; see ``rsmem.models.step.compiled``)
 ``RSMEM_ONEDNN``          1        ``0``: no oneDNN-packed copies of the matrices (saves their memory)
+``RSMEM_PACKED_TWINS``    1        ``0``: oneDNN products on the plain matrices, without their packed
+                                   copies (each weight held once; see ``rsmem.models.step.packed``)
 ``RSMEM_HUGEPAGES``       1        ``0``: weights and states not placed on transparent huge pages
 ``CXX``                            the C++ compiler inductor uses, tried before g++, c++, clang++
 ``RSMEM_THREADS``         auto     torch's intra-op threads when a model loads: ``auto`` (by the model's
@@ -48,6 +50,10 @@ def compile_setting(default: str = "auto") -> str:
 
 def onednn_enabled() -> bool:
     return os.environ.get("RSMEM_ONEDNN", "1") != "0"
+
+
+def packed_twins_enabled() -> bool:
+    return os.environ.get("RSMEM_PACKED_TWINS", "1").strip() != "0"
 
 
 def native_step_enabled() -> bool:

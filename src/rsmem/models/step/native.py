@@ -365,7 +365,7 @@ class NativeStep:
         if not self._checked:
             self._checked = True
             forms = ["plain"]
-            self._has_twins = isinstance(head, SmallRows) or any(isinstance(t, SmallRows) for t in flat)
+            self._has_twins = any(isinstance(t, SmallRows) and t.packed.is_mkldnn for t in (head, *flat))
             if self._has_twins:
                 forms.append("packed")  # many sequences take the packed twins: checked as well
             self.failed = self._first_difference(x, norm_f, head, eps, flat, forms)

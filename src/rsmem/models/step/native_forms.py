@@ -30,7 +30,7 @@ def native_matrix(matrix: Any, packed: bool = False) -> tuple[torch.Tensor, int]
     a oneDNN twin as ``(twin, PACKED_F32)``; None for any other."""
     if isinstance(matrix, QuantMatrix):
         return matrix.blocks, matrix.qtype
-    if packed and isinstance(matrix, SmallRows):
+    if packed and isinstance(matrix, SmallRows) and matrix.packed.is_mkldnn:  # else no twin: plain rows
         return matrix.packed, PACKED_F32
     w = matrix.plain if isinstance(matrix, SmallRows) else matrix
     if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 and w.stride(1) == 1:

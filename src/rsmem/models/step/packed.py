@@ -8,6 +8,12 @@ matrix, uses every core (the packed twin is slower there): models with packing h
 one-row path costs no extra copy. A packed copy doubles those matrices' memory; ``RSMEM_ONEDNN=0`` in the
 environment turns packing off.
 
+``RSMEM_PACKED_TWINS=0`` keeps the layout but makes no packed copies: each weight is held once, and the
+products of several rows run oneDNN on the plain ``[out, in]`` matrix, which it reorders on every call (the
+same values as the packed twin's, each call slower by the reorder). Where a consumer needs a oneDNN packed
+tensor (the C++ steps' packed and sliced forms), :meth:`PackedMatrices.twin` is the plain matrix and
+``twin.is_mkldnn`` is False: they take the plain rows instead.
+
 One-sequence decode steps of large models do not come here: :mod:`rsmem.models.step.compiled` runs them as
 compiled reductions (:func:`rsmem.models.step.fused.gemv`), faster still.
 """
@@ -59,8 +65,9 @@ class PackedMatrices:
     """oneDNN twins of ``[in, out]`` float32 matrices; :meth:`linear` uses them where they are faster."""
 
     def __init__(self) -> None:
-        # id(weight_t) -> (weight_t, packed, plain [out, in] contiguous or None)
+        # id(weight_t) -> (weight_t, packed (or the plain matrix itself), plain [out, in] contiguous or None)
         self._by_id: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self.twins = settings.packed_twins_enabled()  # False: no packed copies (RSMEM_PACKED_TWINS=0)
 
     def add(self, weight_t: Matrix) -> None:
         """Pack ``weight_t`` ``[in, out]`` if it is a float32 CPU matrix (others use the plain product).
@@ -74,11 +81,16 @@ class PackedMatrices:
             return
         weight = weight_t.t()
         plain = weight if weight.is_contiguous() else None
+        if not self.twins:  # oneDNN on the plain matrix for every row count (None: the plain product)
+            if plain is not None:
+                self._by_id[id(weight_t)] = (weight_t, plain, plain)
+            return
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
         self._by_id[id(weight_t)] = (weight_t, packed, plain)
 
     def twin(self, weight_t: Matrix) -> torch.Tensor | None:
-        """The packed copy of ``weight_t`` (the very tensor given to :meth:`add`), or None."""
+        """The packed copy of ``weight_t`` (the very tensor given to :meth:`add`; without twins its plain
+        ``[out, in]`` matrix), or None."""
         entry = self._by_id.get(id(weight_t))
         return entry[1] if entry is not None and entry[0] is weight_t else None
 
