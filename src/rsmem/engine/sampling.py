@@ -26,6 +26,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,6 +37,7 @@ from rsmem.engine.sampling_params import (
     make_generator,
 )
 from rsmem.engine.truncation import candidates, take_rows
+from rsmem.kernels.build import loaded_native_ops
 
 __all__ = [
     "GREEDY_BELOW",
@@ -89,8 +91,15 @@ class Sampler:
     """Samples one token per row of a float logits batch ``[B, V]`` in one vectorised pass.
 
     Stateless: the per-request state (generator, history) is owned by the caller and passed in, so one
-    sampler serves every batch.
+    sampler serves every batch. With ``native`` (the default) and rsmem's C++ kernels loaded, penalties and
+    the rows that take top-k run in C++ (``kernels/csrc/sampler.cpp``; this module's torch code is its twin).
     """
+
+    def __init__(self, native: bool = True) -> None:
+        self.native = native
+
+    def _ops(self) -> Any:
+        return loaded_native_ops() if self.native else None
 
     def sample(
         self,
@@ -114,7 +123,8 @@ class Sampler:
             errors = _row_errors(logits.gather(1, best).squeeze(1).float())
             tokens = [-1 if e else t for t, e in zip(best.squeeze(1).tolist(), errors, strict=True)]
             return SamplerOutput(tokens, [None] * n_rows, errors)
-        x = _adjusted_logits(logits, params, histories)
+        ops = self._ops()
+        x = _adjusted_logits(logits, params, histories, ops)
         errors = _row_errors(x.amax(dim=-1))  # checked before any row draws
         tokens = [-1] * n_rows
         greedy = [i for i, p in enumerate(params) if p.is_greedy and errors[i] is None]
@@ -124,9 +134,29 @@ class Sampler:
         stochastic = [i for i, p in enumerate(params) if not p.is_greedy and errors[i] is None]
         if stochastic:
             uniforms = _draw_uniforms(stochastic, generators, x.device)
-            picked = _sample_stochastic(take_rows(x, stochastic), [params[i] for i in stochastic], uniforms)
-            for i, t in zip(stochastic, picked, strict=True):
-                tokens[i] = t
+            native = [
+                k for k, i in enumerate(stochastic) if ops is not None and 0 < params[i].top_k < x.shape[1]
+            ]
+            if native:
+                rows, sub = [stochastic[k] for k in native], [params[stochastic[k]] for k in native]
+                drawn = ops.sampler_top_k_draw(
+                    x,
+                    rows,
+                    [p.top_k for p in sub],
+                    [p.top_p for p in sub],
+                    [p.min_p for p in sub],
+                    [p.temperature for p in sub],
+                    uniforms[native].tolist(),
+                )
+                for i, t in zip(rows, drawn, strict=True):
+                    tokens[i] = t
+            taken = set(native)
+            rest = [k for k in range(len(stochastic)) if k not in taken]
+            if rest:
+                rows = [stochastic[k] for k in rest]
+                picked = _sample_stochastic(take_rows(x, rows), [params[i] for i in rows], uniforms[rest])
+                for i, t in zip(rows, picked, strict=True):
+                    tokens[i] = t
         return SamplerOutput(tokens, _logprobs(x, params, tokens, errors), errors)
 
     __call__ = sample
@@ -203,7 +233,10 @@ def _require_finite(row_max: torch.Tensor) -> None:
 
 
 def _adjusted_logits(
-    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[History] | None
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[History] | None,
+    ops: Any = None,
 ) -> torch.Tensor:
     """float32 copy of the logits with bias and penalties applied (the stages every row shares)."""
     x = logits.to(torch.float32, copy=True)
@@ -211,12 +244,16 @@ def _adjusted_logits(
     rows = [i for i, p in enumerate(params) if p.has_penalties]
     if rows:
         assert histories is not None  # _check_batch guarantees it
-        penalize_seen(x, rows, [histories[i] for i in rows], [params[i] for i in rows])
+        penalize_seen(x, rows, [histories[i] for i in rows], [params[i] for i in rows], ops)
     return x
 
 
 def penalize_seen(
-    x: torch.Tensor, rows: Sequence[int], histories: Sequence[History], params: Sequence[SamplingParams]
+    x: torch.Tensor,
+    rows: Sequence[int],
+    histories: Sequence[History],
+    params: Sequence[SamplingParams],
+    ops: Any = None,
 ) -> None:
     """:func:`apply_penalties` on rows ``rows`` of ``x`` (in place), touching only the tokens each row's
     window holds: one gather and one scatter for the batch instead of passes over the vocabulary. The
@@ -241,6 +278,9 @@ def penalize_seen(
         presence += [p.presence_penalty] * len(seen)
         frequency += [p.frequency_penalty] * len(seen)
     if not at_rows:
+        return
+    if ops is not None and x.stride(1) == 1:
+        ops.sampler_penalize(x, at_rows, at_cols, counts, rep, presence, frequency)
         return
     index = (torch.tensor(at_rows), torch.tensor(at_cols))
     v = x[index]

@@ -113,14 +113,19 @@ def _nucleus_candidates(
 def sorted_candidates(x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k stage: ``(logits, token ids)`` sorted by logit descending then id ascending.
 
-    ``top_k == 0`` keeps all V tokens (a full stable sort); otherwise exactly ``top_k`` are kept via
-    ``torch.topk``, which avoids sorting the whole vocabulary, and then put in the same canonical order.
+    ``top_k == 0`` keeps all V tokens (a full stable sort); otherwise exactly ``top_k`` are kept, the
+    lowest ids among logits tied with the k-th (``torch.topk`` finds the k-th without sorting the whole
+    vocabulary), and then put in the same canonical order.
     """
     if top_k == 0:
         return torch.sort(x, dim=-1, descending=True, stable=True)
-    vals, ids = torch.topk(x, top_k, dim=-1, sorted=False)
-    ids, order = torch.sort(ids, dim=-1)
-    vals, order = torch.sort(vals.gather(1, order), dim=-1, descending=True, stable=True)
+    # torch.topk picks arbitrarily among logits tied with the k-th: take the lowest ids among those
+    kth = torch.topk(x, top_k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above, tied = x > kth, x == kth
+    need = top_k - above.sum(dim=-1, keepdim=True)
+    keep = above | (tied & (torch.cumsum(tied, dim=-1) <= need))
+    ids = keep.nonzero()[:, 1].reshape(x.shape[0], top_k)  # ascending ids, k a row
+    vals, order = torch.sort(x.gather(1, ids), dim=-1, descending=True, stable=True)
     return vals, ids.gather(1, order)
 
 

@@ -44,6 +44,7 @@ SOURCES = (
     "rwkv7_step.cpp",
     "rwkv6_step.cpp",
     "wkv_scan.cpp",
+    "sampler.cpp",
 )
 HEADERS = (
     "blocks.h",
