@@ -210,7 +210,7 @@ class ConstraintCompiler:
                 self._cache.move_to_end(key)
                 return CompiledConstraint(constraint, start, self._vocab(), self.forced_run)
         tokenizer = self._ll_tokenizer(constraint.field)
-        grammar = _grammar_text(constraint)
+        grammar = grammar_text(constraint)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
             raise InvalidRequestError(constraint.field, f"cannot be enforced: {'; '.join(messages)}")
@@ -275,7 +275,7 @@ class _ByteTokens:
         return ids
 
 
-def _grammar_text(c: Constraint) -> str:
+def grammar_text(c: Constraint) -> str:
     """llguidance's grammar for ``c``; InvalidRequestError naming ``c.field`` when it does not parse."""
     import llguidance
 

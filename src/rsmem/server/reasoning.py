@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 
-from rsmem.engine.constraints import Constraint, _grammar_text
+from rsmem.engine.constraints import Constraint, grammar_text
 from rsmem.server.tool_parser import held_prefix
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -100,7 +100,7 @@ def thinking_first(started: bool, answer: str) -> str:
 def after_thinking(constraint: Constraint, started: bool) -> Constraint:
     """``constraint`` applied from the end of the thinking (a response format of a thinking model):
     the same grammar, nested in one that lets the model think first; refusals still name its field."""
-    text = _grammar_text(constraint)
+    text = grammar_text(constraint)
     if text.lstrip().startswith("{"):  # llguidance's JSON form: one grammar, a schema or Lark text
         (grammar,) = json.loads(text)["grammars"]
         if grammar.get("json_schema") is not None:
