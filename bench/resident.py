@@ -12,7 +12,10 @@ The models: random 130M Mamba and Mamba-2 built by transformers with ``bench/thr
 by rsmem's own quantizer (``rsmem.loaders.quantize``). Files are kept in ``--cache`` between runs.
 
 Run: .venv/bin/python bench/resident.py [--models mamba-f32,mamba2-f32,...] [--rounds 3]
-[--env RSMEM_PACKED_TWINS=0]
+[--env RSMEM_PACKED_TWINS=0] [--llama-server ~/.cache/rsmem-bench/llama-server-b11312/bin/llama-server]
+
+With ``--llama-server``, llama.cpp's columns: what ``llama-server`` holds after loading the file and after an
+8-token completion, less what it holds with the tiny Mamba fixture (its own runtime).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import os
 import statistics
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 # isort: off
@@ -107,6 +112,49 @@ def measure(path: Path, env: dict[str, str]) -> dict[str, dict[str, int]]:
     return stages
 
 
+def llama_server(binary: Path, path: Path, port: int) -> dict[str, dict[str, int]]:
+    """llama.cpp's side: ``llama-server`` on ``path`` (one slot, 4,096 cells of f32 KV as rsmem's Context
+    has, 2 threads), its stages (kB) after the model loaded and after an 8-token completion."""
+    env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
+    args = [str(binary), "-m", str(path), "--port", str(port), "-c", "4096", "-np", "1", "-t", "2"]
+    proc = subprocess.Popen(
+        [*args, "-ctk", "f32", "-ctv", "f32"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"llama-server did not start on {path}")
+            time.sleep(0.2)
+        stages = {"load": status(proc.pid)}
+        body = json.dumps({"prompt": "the quick brown fox", "n_predict": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            r.read()
+        stages["generate"] = status(proc.pid)
+        return stages
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def status(pid: int) -> dict[str, int]:
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0])
+    return fields
+
+
 def cell(values: list[float]) -> str:
     """The median in MB, with the range when the rounds differ by at least 1 MB."""
     mid = statistics.median(values)
@@ -123,12 +171,20 @@ def main() -> None:
     parser.add_argument(
         "--env", action="append", default=[], help="KEY=VALUE for the measured processes (repeatable)"
     )
+    parser.add_argument(
+        "--llama-server", type=Path, help="a llama-server binary (b11312): llama.cpp's columns"
+    )
     args = parser.parse_args()
     env = dict(item.split("=", 1) for item in args.env)
+    baseline: list[dict[str, dict[str, int]]] = []
+    if args.llama_server:  # the server with a tiny model: what llama.cpp holds without a model's weights
+        tiny = Path(__file__).parent.parent / "tests/fixtures/llamacpp/mamba/model-q8_0.gguf"
+        baseline = [llama_server(args.llama_server, tiny, 18931) for _ in range(args.rounds)]
     args.cache.mkdir(parents=True, exist_ok=True)
     raw: dict[str, list[dict[str, dict[str, int]]]] = {}
-    print("| model (file) | after import | load adds | anon | file | + 8 tokens adds | anon | file | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    head = "| model (file) | after import | load adds | anon | file | + 8 tokens adds | anon | file | ratio |"
+    print(head + (" llama.cpp load adds | + 8 tokens adds | rsmem / llama.cpp |" if baseline else ""))
+    print("|---" * (12 if baseline else 9) + "|")
     for name in args.models.split(","):
         path = build(name, args.cache)
         size = path.stat().st_size / 1e6
@@ -140,12 +196,24 @@ def main() -> None:
         base = [r["import"]["VmRSS"] * 1024 / 1e6 for r in runs]
         gen = added("generate", "VmRSS")
         ratio = statistics.median(gen) / size
-        print(
+        line = (
             f"| {name} ({size:,.0f} MB) | {cell(base)} | {cell(added('load', 'VmRSS'))} | "
             f"{cell(added('load', 'RssAnon'))} | {cell(added('load', 'RssFile'))} | {cell(gen)} | "
-            f"{cell(added('generate', 'RssAnon'))} | {cell(added('generate', 'RssFile'))} | {ratio:.2f} |",
-            flush=True,
+            f"{cell(added('generate', 'RssAnon'))} | {cell(added('generate', 'RssFile'))} | {ratio:.2f} |"
         )
+        if baseline:
+            theirs = [llama_server(args.llama_server, path, 18932) for _ in range(args.rounds)]
+            raw[f"llama:{name}"] = theirs
+
+            def llama(stage: str, theirs=theirs) -> list[float]:
+                return [
+                    (t[stage]["VmRSS"] - b[stage]["VmRSS"]) * 1024 / 1e6
+                    for t, b in zip(theirs, baseline, strict=True)
+                ]
+
+            versus = statistics.median(gen) / statistics.median(llama("generate"))
+            line += f" {cell(llama('load'))} | {cell(llama('generate'))} | {versus:.2f} |"
+        print(line, flush=True)
     if args.json:
         args.json.write_text(json.dumps(raw, indent=1))
 
