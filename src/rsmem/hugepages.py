@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import weakref
 from collections.abc import Sequence
 from typing import TypeVar, cast
 
@@ -28,6 +29,8 @@ HUGE_PAGE = 2 << 20
 MIN_BYTES = 16 << 20  # below this the copies are not worth it (and the small default model stays as it is)
 
 T = TypeVar("T")
+
+_arenas: set[int] = set()  # the storage addresses of the live arenas (see on_huge_pages)
 
 
 def _enabled() -> bool:
@@ -48,6 +51,9 @@ def _arena(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tenso
     except (OSError, ValueError):
         return None
     raw = torch.frombuffer(arena, dtype=torch.uint8)  # holds the mapping as long as any view lives
+    key = raw.untyped_storage().data_ptr()
+    _arenas.add(key)
+    weakref.finalize(arena, _arenas.discard, key)  # the mapping outlives every view of it
     start = (-raw.data_ptr()) % HUGE_PAGE
     return [
         raw[start + off : start + off + nbytes].view(dtype).view(shape)
@@ -55,10 +61,18 @@ def _arena(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tenso
     ]
 
 
+def on_huge_pages(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies in an arena of this module (:func:`huge_page_copies`, :func:`huge_page_zeros`)."""
+    return t.device.type == "cpu" and t.untyped_storage().data_ptr() in _arenas
+
+
 def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous CPU copies of ``tensors`` in one huge-page-advised mapping (the originals when the
-    platform cannot, when any is not a contiguous CPU tensor, or when they are small)."""
+    platform cannot, when any is not a contiguous CPU tensor, when they are small, or when every one is
+    in such a mapping already: a loader put them there)."""
     if not tensors or not _enabled() or sum(t.nbytes for t in tensors) < MIN_BYTES:
+        return tensors
+    if all(t.is_contiguous() and on_huge_pages(t) for t in tensors):
         return tensors
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return tensors

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import rsmem
+from rsmem import hugepages
+from rsmem.loaders import build_model, read_tensors
 from rsmem.models.mamba.mamba1 import MambaConfig
 from rsmem.models.mamba.mamba2 import Mamba2Config
 from rsmem.models.mamba.random_init import random_mamba, random_mamba2
@@ -151,7 +153,7 @@ def rss():
     f = {}
     for line in open("/proc/self/status"):
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon"):
+        if key in ("VmRSS", "VmHWM", "RssAnon"):
             f[key] = int(value.split()[0]) * 1024
     return f
 import rsmem, torch
@@ -186,3 +188,23 @@ def test_loading_without_twins_adds_about_the_file(mamba_file: Path) -> None:
     )  # 28 MiB; measured: loading adds 31 MiB, with the tokens 53 (twins: 63, 80)
     assert loaded["VmRSS"] - imported["VmRSS"] < 1.25 * size + (10 << 20), (loaded, imported, size)
     assert generated["VmRSS"] - imported["VmRSS"] < 1.25 * size + (30 << 20), (generated, imported, size)
+    # the highest RSS, loading included (64 MiB; 91 when the loader's copy and the model's were both held)
+    assert generated["VmHWM"] - imported["VmRSS"] < 1.8 * size + (25 << 20), (generated, imported, size)
+
+
+@needs_packing
+def test_float32_matrices_are_read_onto_huge_pages(mamba_file: Path) -> None:
+    """load_model reads a Mamba file's float32 matrices straight into the huge-page arena the model keeps
+    (no second copy while it loads), with the logits of a model that moved the loader's copies there."""
+    if not hugepages._enabled():
+        pytest.skip("no transparent huge pages here (or RSMEM_HUGEPAGES=0)")
+    model = rsmem.load_model(mamba_file, compile=False)
+    ckpt = read_tensors(mamba_file)  # plain copies: the model moves them onto its own arena
+    assert not hugepages.on_huge_pages(ckpt.tensors["token_embd.weight"])
+    moved = build_model(ckpt, torch.float32, False)
+    for m in (model, moved):
+        assert hugepages.on_huge_pages(m.embedding)
+        assert all(hugepages.on_huge_pages(layer.in_proj) for layer in m.layers)
+    assert model.embedding.untyped_storage().data_ptr() != moved.embedding.untyped_storage().data_ptr()
+    for a, b in zip(_decode_logits(model), _decode_logits(moved), strict=True):
+        assert torch.equal(a, b)

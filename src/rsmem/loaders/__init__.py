@@ -24,11 +24,13 @@ from rsmem.models.hybrid.qwen35 import Qwen35Model
 from rsmem.models.mamba.mamba1 import MambaModel
 from rsmem.models.mamba.mamba2 import Mamba2Model
 from rsmem.models.step.compiled import CompileSetting
+from rsmem.models.step.packed import packing_enabled
 from rsmem.threads import use_threads
 
 
-def read_tensors(path: str | os.PathLike[str]) -> ModelTensors:
-    """A GGUF file or an HF folder (a ``config.json`` inside it) in llama.cpp's tensor form."""
+def read_tensors(path: str | os.PathLike[str], arena: bool = False) -> ModelTensors:
+    """A GGUF file or an HF folder (a ``config.json`` inside it) in llama.cpp's tensor form (``arena``: see
+    :func:`~rsmem.loaders.gguf.read_gguf`)."""
     p = Path(path)
     if is_hf_folder(p):
         return read_hf(p)
@@ -40,7 +42,7 @@ def read_tensors(path: str | os.PathLike[str]) -> ModelTensors:
         return read_hf(p.parent)
     if is_blink_checkpoint(p):  # a BlinkDL RWKV .pth (no tokenizer: see loaders.rwkv_convert)
         return read_blink(p)
-    return read_gguf(p)
+    return read_gguf(p, arena)
 
 
 def load_model(
@@ -60,7 +62,8 @@ def load_model(
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    ckpt = read_tensors(path)
+    # float32 matrices the model keeps as they are: read straight onto huge pages, the one copy it holds
+    ckpt = read_tensors(path, arena=dtype == torch.float32 and packing_enabled())
     model = build_model(ckpt, dtype, compile)
     if ckpt.tokenizer is not None:
         model.tokenizer = build_tokenizer(ckpt.tokenizer)

@@ -35,8 +35,10 @@ def is_gguf(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def read_gguf(path: str | os.PathLike[str]) -> ModelTensors:
-    """Parse the file into a :class:`ModelTensors`; ModelFormatError names whatever is wrong with it."""
+def read_gguf(path: str | os.PathLike[str], arena: bool = False) -> ModelTensors:
+    """Parse the file into a :class:`ModelTensors`; ModelFormatError names whatever is wrong with it.
+    ``arena``: for a model that keeps float32 matrices as they are (the Mamba family at float32 with
+    oneDNN packing), they come on one huge-page mapping (:func:`~rsmem.loaders.tensor_types.load_tensors`)."""
     path = Path(path)
     if not is_gguf(path):
         raise ModelFormatError(f"{path}: not a GGUF file (bad magic)")
@@ -49,7 +51,8 @@ def read_gguf(path: str | os.PathLike[str]) -> ModelTensors:
     arch = _value(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHS:
         raise ModelFormatError(f"{path}: unsupported architecture {arch!r} (supported: {SUPPORTED_ARCHS})")
-    loaded = load_tensors(reader, path, keep=keeps_quantized(str(arch)))
+    keep = keeps_quantized(str(arch))
+    loaded = load_tensors(reader, path, keep=keep, arena=arena and keep)
     tensors = {name: t for name, t in loaded.items() if isinstance(t, torch.Tensor)}
     quantized = {name: t for name, t in loaded.items() if isinstance(t, QuantMatrix)}
     emb = loaded.get(tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD))

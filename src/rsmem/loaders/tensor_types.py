@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from rsmem.errors import ModelFormatError
+from rsmem.hugepages import huge_page_copies
 from rsmem.kernels.build import native_ops
 from rsmem.kernels.formats import HALF_TYPES, KERNEL_TYPES
 from rsmem.models.ops.quantized import QuantMatrix
@@ -196,15 +198,16 @@ def open_reader(path: str | os.PathLike[str]) -> gguf.GGUFReader:
 
 
 def hold(
-    t: gguf.ReaderTensor, source: str | os.PathLike[str], keep: bool = False
+    t: gguf.ReaderTensor, source: str | os.PathLike[str], keep: bool = False, view: bool = False
 ) -> torch.Tensor | QuantMatrix:
     """The tensor as float32 in numpy order (ggml's shape reversed: a Linear weight reads ``[out, in]``),
     held as :data:`HOLDING` says, or, with ``keep``, a matrix of a kernel type as a :class:`QuantMatrix`
     of the file's blocks (as :func:`holding_of` says); ModelFormatError names the tensor if its type or
-    bytes are unusable."""
+    bytes are unusable. ``view``: float32 data as a read-only view of the file's mapping, not a copy (for
+    :func:`load_tensors`'s arena, which copies it once)."""
     if keep and len(t.shape) == 2 and holding_of(t.tensor_type, keep) in (Holding.KEPT, Holding.KEPT_2BYTES):
         return _keep(t, source)
-    values = _float32(t, source)
+    values = _float32(t, source, view)
     if keep and len(t.shape) == 2 and HOLDING.get(t.tensor_type) is Holding.DEQUANTIZED:
         return _requantized(values)
     return values
@@ -218,7 +221,7 @@ def _requantized(values: torch.Tensor) -> QuantMatrix:
     return QuantMatrix(torch.from_numpy(np.ascontiguousarray(blocks)), int(Q.Q8_0), (n_out, n_in))
 
 
-def _float32(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> torch.Tensor:
+def _float32(t: gguf.ReaderTensor, source: str | os.PathLike[str], view: bool = False) -> torch.Tensor:
     """The tensor as float32 (see :func:`hold`)."""
     holding = HOLDING.get(t.tensor_type)
     if holding is None:
@@ -237,8 +240,13 @@ def _float32(t: gguf.ReaderTensor, source: str | os.PathLike[str]) -> torch.Tens
         arr = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
     except Exception as exc:
         raise ModelFormatError(f"{source}: tensor {t.name!r} is truncated or corrupt ({exc})") from exc
-    # F32 data is a view of the file's memory map: copy it; dequantized arrays are already fresh
-    tensor = torch.from_numpy(arr.copy() if np.may_share_memory(arr, t.data) else arr)
+    # F32 data is a view of the file's memory map: copy it (unless asked for the view); dequantized arrays
+    # are already fresh
+    if np.may_share_memory(arr, t.data) and not view:
+        arr = arr.copy()
+    with warnings.catch_warnings():  # a view of the read-only map: torch warns that it is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.from_numpy(arr)
     if holding is Holding.DEQUANTIZED and not bool(torch.isfinite(tensor).all()):
         raise ModelFormatError(
             f"{source}: tensor {t.name!r} ({t.tensor_type.name}) dequantizes to non-finite values: "
@@ -369,12 +377,25 @@ def dequantized_note(source: str | os.PathLike[str], summary: Sequence[TypeSumma
 
 
 def load_tensors(
-    reader: gguf.GGUFReader, source: str | os.PathLike[str], keep: bool = False
+    reader: gguf.GGUFReader, source: str | os.PathLike[str], keep: bool = False, arena: bool = False
 ) -> dict[str, torch.Tensor | QuantMatrix]:
     """Every tensor of the file by name, held as :data:`HOLDING` says (with ``keep``, the matrices of
     kernel types as :class:`QuantMatrix`); logs one line (INFO, logger ``rsmem.loaders``) naming the
-    types that were dequantized."""
-    tensors = {t.name: hold(t, source, keep) for t in reader.tensors}
+    types that were dequantized.
+
+    ``arena``: the float32 matrices stored F32 are copied from the file straight into one huge-page
+    mapping (:func:`~rsmem.hugepages.huge_page_copies`), where a model that keeps them as they are
+    leaves them (it would copy them there itself: a second copy while it loads); small sets, or a
+    platform without huge pages, get plain copies."""
+    mapped = [t.name for t in reader.tensors if arena and t.tensor_type == Q.F32 and len(t.shape) == 2]
+    viewed = set(mapped)
+    tensors = {t.name: hold(t, source, keep, view=t.name in viewed) for t in reader.tensors}
+    if mapped:
+        views = [tensors[name] for name in mapped]
+        copies = huge_page_copies(views)  # type: ignore[arg-type]  # float32 tensors (not kept blocks)
+        if copies is views:
+            copies = [v.clone() for v in views]  # type: ignore[union-attr]
+        tensors.update(zip(mapped, copies, strict=True))
     note = dequantized_note(source, summarize(reader.tensors, keep))
     if note:
         log.info(note)
