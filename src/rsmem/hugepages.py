@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import mmap
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
 
 import torch
@@ -66,10 +66,13 @@ def on_huge_pages(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.untyped_storage().data_ptr() in _arenas
 
 
-def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def huge_page_copies(
+    tensors: list[torch.Tensor], copied: Callable[[torch.Tensor], None] | None = None
+) -> list[torch.Tensor]:
     """Contiguous CPU copies of ``tensors`` in one huge-page-advised mapping (the originals when the
     platform cannot, when any is not a contiguous CPU tensor, when they are small, or when every one is
-    in such a mapping already: a loader put them there)."""
+    in such a mapping already: a loader put them there). ``copied`` is called with each original once
+    its copy is made."""
     if not tensors or not _enabled() or sum(t.nbytes for t in tensors) < MIN_BYTES:
         return tensors
     if all(t.is_contiguous() and on_huge_pages(t) for t in tensors):
@@ -81,6 +84,8 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return tensors
     for dst, t in zip(copies, tensors, strict=True):
         dst.copy_(t)
+        if copied is not None:
+            copied(t)
     return copies
 
 

@@ -188,8 +188,9 @@ def test_loading_without_twins_adds_about_the_file(mamba_file: Path) -> None:
     )  # 28 MiB; measured: loading adds 31 MiB, with the tokens 53 (twins: 63, 80)
     assert loaded["VmRSS"] - imported["VmRSS"] < 1.25 * size + (10 << 20), (loaded, imported, size)
     assert generated["VmRSS"] - imported["VmRSS"] < 1.25 * size + (30 << 20), (generated, imported, size)
-    # the highest RSS, loading included (64 MiB; 91 when the loader's copy and the model's were both held)
-    assert generated["VmHWM"] - imported["VmRSS"] < 1.8 * size + (25 << 20), (generated, imported, size)
+    # the highest RSS, loading included: 55 MiB (91 when the loader's copy and the model's were both held,
+    # 61 when the file's pages stayed mapped beside the copies)
+    assert generated["VmHWM"] - imported["VmRSS"] < 1.5 * size + (22 << 20), (generated, imported, size)
 
 
 @needs_packing

@@ -18,10 +18,12 @@ ModelFormatError naming the tensor.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -386,13 +388,15 @@ def load_tensors(
     ``arena``: the float32 matrices stored F32 are copied from the file straight into one huge-page
     mapping (:func:`~rsmem.hugepages.huge_page_copies`), where a model that keeps them as they are
     leaves them (it would copy them there itself: a second copy while it loads); small sets, or a
-    platform without huge pages, get plain copies."""
+    platform without huge pages, get plain copies. Each matrix's pages of the file's mapping are
+    dropped from the process once copied (they would count in its resident memory beside the copies
+    until the reader is gone)."""
     mapped = [t.name for t in reader.tensors if arena and t.tensor_type == Q.F32 and len(t.shape) == 2]
     viewed = set(mapped)
     tensors = {t.name: hold(t, source, keep, view=t.name in viewed) for t in reader.tensors}
     if mapped:
         views = [tensors[name] for name in mapped]
-        copies = huge_page_copies(views)  # type: ignore[arg-type]  # float32 tensors (not kept blocks)
+        copies = huge_page_copies(views, _page_dropper(reader))  # type: ignore[arg-type]  # float32 tensors
         if copies is views:
             copies = [v.clone() for v in views]  # type: ignore[union-attr]
         tensors.update(zip(mapped, copies, strict=True))
@@ -400,3 +404,21 @@ def load_tensors(
     if note:
         log.info(note)
     return tensors
+
+
+def _page_dropper(reader: gguf.GGUFReader) -> Callable[[torch.Tensor], None] | None:
+    """A function that drops a view's pages of the reader's (read-only) mapping from the process
+    (``MADV_DONTNEED``: a later read faults them in again from the file), or None where it cannot."""
+    mapping = getattr(reader.data, "_mmap", None)  # numpy's memmap keeps its mmap.mmap here
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    base, size, page = int(reader.data.ctypes.data), int(reader.data.nbytes), mmap.PAGESIZE
+
+    def drop(view: torch.Tensor) -> None:
+        start = view.data_ptr() - base
+        if start >= 0 and start + view.nbytes <= size:
+            first = start // page * page
+            with contextlib.suppress(OSError, ValueError):
+                mapping.madvise(mmap.MADV_DONTNEED, first, start + view.nbytes - first)
+
+    return drop
