@@ -4,8 +4,8 @@ Each measurement runs in a fresh process: ``import rsmem, torch``, then ``rsmem.
 Context that decodes an 8-token prompt and 8 greedy tokens one at a time (the first-step kernels and the
 states included). The process reads ``/proc/self/status`` at each stage; the table gives what loading and
 generating added to ``VmRSS`` after the imports (the ``anon`` and ``file`` columns split it into anonymous
-memory and mapped file pages, ``RssAnon`` and ``RssFile``), medians over ``--rounds`` processes with their
-range.
+memory and mapped file pages, ``RssAnon`` and ``RssFile``; ``peak`` is ``VmHWM``, the highest RSS the
+process reached, loading included), medians over ``--rounds`` processes with their range.
 
 The models: random 130M Mamba and Mamba-2 built by transformers with ``bench/throughput.py``'s configs and
 ~146M LFM2 with ``bench/archs_hybrid.py``'s, converted by ``rsmem.convert`` to f32; Mamba's Q8_0 and Q4_K_M
@@ -47,7 +47,7 @@ def status():
     fields = {}
     for line in open("/proc/self/status"):
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile"):
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
             fields[key] = int(value.split()[0])
     return fields
 import rsmem, torch
@@ -150,7 +150,7 @@ def status(pid: int) -> dict[str, int]:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile"):
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                 fields[key] = int(value.split()[0])
     return fields
 
@@ -182,16 +182,18 @@ def main() -> None:
         baseline = [llama_server(args.llama_server, tiny, 18931) for _ in range(args.rounds)]
     args.cache.mkdir(parents=True, exist_ok=True)
     raw: dict[str, list[dict[str, dict[str, int]]]] = {}
-    head = "| model (file) | after import | load adds | anon | file | + 8 tokens adds | anon | file | ratio |"
-    print(head + (" llama.cpp load adds | + 8 tokens adds | rsmem / llama.cpp |" if baseline else ""))
-    print("|---" * (12 if baseline else 9) + "|")
+    head = "| model (file) | after import | load adds | anon | file | + 8 tokens adds | anon | file | peak "
+    head += "| ratio |"
+    print(head + (" llama.cpp load adds | + 8 tokens adds | peak | rsmem / llama.cpp |" if baseline else ""))
+    print("|---" * (14 if baseline else 10) + "|")
     for name in args.models.split(","):
         path = build(name, args.cache)
         size = path.stat().st_size / 1e6
         runs = raw[name] = [measure(path, env) for _ in range(args.rounds)]
 
         def added(stage: str, key: str, runs=runs) -> list[float]:
-            return [(r[stage][key] - r["import"][key]) * 1024 / 1e6 for r in runs]
+            base = "VmRSS" if key == "VmHWM" else key  # the peak: the highest RSS, over the imports' RSS
+            return [(r[stage][key] - r["import"][base]) * 1024 / 1e6 for r in runs]
 
         base = [r["import"]["VmRSS"] * 1024 / 1e6 for r in runs]
         gen = added("generate", "VmRSS")
@@ -199,20 +201,24 @@ def main() -> None:
         line = (
             f"| {name} ({size:,.0f} MB) | {cell(base)} | {cell(added('load', 'VmRSS'))} | "
             f"{cell(added('load', 'RssAnon'))} | {cell(added('load', 'RssFile'))} | {cell(gen)} | "
-            f"{cell(added('generate', 'RssAnon'))} | {cell(added('generate', 'RssFile'))} | {ratio:.2f} |"
+            f"{cell(added('generate', 'RssAnon'))} | {cell(added('generate', 'RssFile'))} | "
+            f"{cell(added('generate', 'VmHWM'))} | {ratio:.2f} |"
         )
         if baseline:
             theirs = [llama_server(args.llama_server, path, 18932) for _ in range(args.rounds)]
             raw[f"llama:{name}"] = theirs
 
-            def llama(stage: str, theirs=theirs) -> list[float]:
+            def llama(stage: str, key: str = "VmRSS", theirs=theirs) -> list[float]:
                 return [
-                    (t[stage]["VmRSS"] - b[stage]["VmRSS"]) * 1024 / 1e6
+                    (t[stage][key] - b[stage][key]) * 1024 / 1e6
                     for t, b in zip(theirs, baseline, strict=True)
                 ]
 
             versus = statistics.median(gen) / statistics.median(llama("generate"))
-            line += f" {cell(llama('load'))} | {cell(llama('generate'))} | {versus:.2f} |"
+            line += (
+                f" {cell(llama('load'))} | {cell(llama('generate'))} | {cell(llama('generate', 'VmHWM'))} | "
+                f"{versus:.2f} |"
+            )
         print(line, flush=True)
     if args.json:
         args.json.write_text(json.dumps(raw, indent=1))
