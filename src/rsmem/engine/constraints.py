@@ -364,7 +364,7 @@ def allowed_tokens(matchers: Sequence[Matcher], n_vocab: int) -> tuple[torch.Ten
     return allowed, errors
 
 
-FailFn = Callable[..., None]
+FailFn = Callable[["Request", str], None]  # fail a request for its own fault, with this message
 
 
 def mask_constrained(
@@ -372,20 +372,17 @@ def mask_constrained(
 ) -> torch.Tensor:
     """``logits`` (one row per target) with every constrained row's disallowed tokens at ``-inf``: in
     place when the caller ``owned`` the tensor, else on a copy (the unconstrained case returns
-    ``logits`` itself). A row whose matcher errors fails its request (``fail``: ``Lifecycle.fail``);
-    its row is left as it is, and the caller skips finished requests."""
+    ``logits`` itself). A row whose matcher errors fails its request (``fail(request, message)``); its
+    row is left as it is, and the caller skips finished requests."""
     rows = [i for i, (_, c) in enumerate(targets) if c.matcher is not None and not c.finished]
     if not rows:
         return logits
-    # imported here: sampling_params.py imports this module, and request.py imports sampling_params
-    from rsmem.engine.request import ErrorKind
-
     matchers = [m for i in rows if (m := targets[i][1].matcher) is not None]
     allowed, errors = allowed_tokens(matchers, logits.shape[1])
     ok = [k for k, e in enumerate(errors) if e is None]
     for k, error in enumerate(errors):
         if error is not None:
-            fail(targets[rows[k]][0], ErrorKind.REQUEST, error, state_lost=False)
+            fail(targets[rows[k]][0], error)
     if not ok:
         return logits
     out = logits if owned else logits.clone()

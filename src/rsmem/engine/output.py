@@ -52,7 +52,12 @@ class OutputProcessor:
             else None
         )
         fail = self.lifecycle.fail
-        logits = mask_constrained(logits, targets, fail, owned=not in_order)  # structured outputs
+        logits = mask_constrained(  # structured outputs
+            logits,
+            targets,
+            lambda req, message: fail(req, ErrorKind.REQUEST, message, state_lost=False),
+            owned=not in_order,
+        )
         try:  # a bad row is reported in out.errors; only a bug raises here
             out = self.sampler.sample(logits, params, histories, [c.generator for _, c in targets])
         except Exception as exc:
