@@ -77,3 +77,10 @@ def test_every_sequence_taken_then_requests_wait_or_are_refused() -> None:
     final = drain(engine)
     assert {final[r].outputs[0].finish_reason for r in (long, waits, in_session)} == {FinishReason.LENGTH}
     assert engine.pool.n_free == 2 and engine.pool.held == {s1.seq_id, s2.seq_id}
+
+
+def test_a_stop_string_that_is_not_unicode_text_is_refused():
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(stop=("ok", "bad\udc80"))
+    assert err.value.param == "stop" and "lone surrogate U+DC80" in str(err.value)
+    assert SamplingParams(stop=("né€",)).stop == ("né€",)

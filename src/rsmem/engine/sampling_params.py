@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from rsmem.engine.constraints import Constraint
+from rsmem.engine.tokenizer import unicode_problem
 from rsmem.errors import InvalidRequestError
 
 # torch.Generator.manual_seed accepts exactly this range (negative seeds are folded onto positive ones).
@@ -97,6 +98,9 @@ def _normalise_stop(value: object) -> tuple[str, ...]:
     for s in stops:
         if not isinstance(s, str) or not s:
             raise _fail("stop", value, f"non-empty strings (bad entry {s!r})")
+        problem = unicode_problem(s)
+        if problem is not None:  # no text the model writes can contain it
+            raise InvalidRequestError("stop", f"entry {s!r} {problem}")
     return stops  # type: ignore[return-value]  # checked above: every entry is a str
 
 
