@@ -97,6 +97,23 @@ class StructuredFields(BaseModel):
     lora: Any = None
 
 
+def _vllm_kinds(
+    schema: JsonValue | None, regex: str | None, choice: list[str] | None, grammar: str | None, field: str
+) -> list[Constraint]:
+    """vLLM's four constraint fields, named ``field.format(kind)`` (``structured_outputs.json``,
+    ``guided_json``, ...): the constraints of those that are set."""
+    found = []
+    if schema is not None:
+        found.append(_schema(schema, field.format("json")))
+    if regex is not None:
+        found.append(Constraint.regex(regex, field=field.format("regex")))
+    if choice is not None:
+        found.append(Constraint.choice(choice, field=field.format("choice")))
+    if grammar is not None:
+        found.append(Constraint.grammar(grammar, field=field.format("grammar")))
+    return found
+
+
 def _schema(value: JsonValue, field: str) -> Constraint:
     return Constraint.json_schema(value, field=field)
 
@@ -125,24 +142,12 @@ def request_constraint(body: StructuredFields) -> Constraint | None:
         found.append(_schema(body.json_schema, "json_schema"))
     so = body.structured_outputs
     if so is not None:
-        if so.json_ is not None:
-            found.append(_schema(so.json_, "structured_outputs.json"))
-        if so.regex is not None:
-            found.append(Constraint.regex(so.regex, field="structured_outputs.regex"))
-        if so.choice is not None:
-            found.append(Constraint.choice(so.choice, field="structured_outputs.choice"))
-        if so.grammar is not None:
-            found.append(Constraint.grammar(so.grammar, field="structured_outputs.grammar"))
+        found += _vllm_kinds(so.json_, so.regex, so.choice, so.grammar, "structured_outputs.{}")
         if so.json_object:
             found.append(Constraint.json_object(field="structured_outputs.json_object"))
-    if body.guided_json is not None:
-        found.append(_schema(body.guided_json, "guided_json"))
-    if body.guided_regex is not None:
-        found.append(Constraint.regex(body.guided_regex, field="guided_regex"))
-    if body.guided_choice is not None:
-        found.append(Constraint.choice(body.guided_choice, field="guided_choice"))
-    if body.guided_grammar is not None:
-        found.append(Constraint.grammar(body.guided_grammar, field="guided_grammar"))
+    found += _vllm_kinds(
+        body.guided_json, body.guided_regex, body.guided_choice, body.guided_grammar, "guided_{}"
+    )
     if len(found) > 1:
         fields = ", ".join(c.field for c in found)
         raise InvalidRequestError(
